@@ -1,0 +1,41 @@
+# Fresh machine: `make demo` or `make test` (each sets everything up first).
+VENV := .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup proto proto-check lint typecheck test pytest demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+proto: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+proto-check: $(STAMP)
+	$(PY) scripts/gen_protos.py --check
+
+lint: $(STAMP)
+	$(BIN)/buf lint
+	$(BIN)/buf format --diff --exit-code
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test: lint proto-check typecheck pytest
+
+demo: $(STAMP)
+	$(PY) -m lightning_grpc.examples.prompt_search_demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

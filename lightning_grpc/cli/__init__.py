@@ -1,0 +1,1 @@
+"""The ``lightning-grpc`` command line."""

@@ -1,0 +1,128 @@
+"""``lightning-grpc``: serve the store, and look at a running one.
+
+lightning-grpc serve --host 127.0.0.1 --port 4747 --db store.db
+lightning-grpc serve --memory --max-memory 2GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from lightning_grpc.errors import LightningError
+
+log = logging.getLogger("lightning_grpc.cli")
+
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GB', '1000000' -> bytes."""
+    s = text.strip().lower()
+    digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(digits) :].strip()
+    if unit not in SIZE_UNITS or not digits:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 512MiB or 2GB")
+    return int(float(digits) * SIZE_UNITS[unit])
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run the store server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=4747, help="0 picks a free port (logged at start)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--db", type=Path, help="SQLite file (created if missing); the default is lightning.db"
+    )
+    where.add_argument("--memory", action="store_true", help="keep everything in memory (lost on exit)")
+    p.add_argument(
+        "--max-memory", type=parse_size, help="in-memory backend: evict oldest finished rollouts above this"
+    )
+    p.add_argument("--max-span-size", type=parse_size, default=16 * 1024 * 1024, help="largest span accepted")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
+        help="require 'authorization: Bearer TOKEN' (default: $LIGHTNING_GRPC_TOKEN)",
+    )
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (enables TLS)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key")
+    p.add_argument("--tls-client-ca", type=Path, help="require client certificates signed by this CA")
+    p.add_argument(
+        "--gzip", action="store_true", help="gzip responses (requests are always accepted gzipped)"
+    )
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from lightning_grpc.server.app import ServerConfig, TlsFiles, serve
+
+    configure_logging(args.log_level)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("error: --tls-cert and --tls-key go together")
+    tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        db=None if args.memory else (args.db or Path("lightning.db")),
+        token=args.token or None,
+        tls=tls,
+        max_memory_bytes=args.max_memory,
+        max_span_bytes=args.max_span_size,
+        gzip_responses=args.gzip,
+        grace=args.grace,
+    )
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        log.error("event=server_failed error=%s", exc)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-grpc", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    from lightning_grpc.cli import inspect as inspect_commands
+
+    inspect_commands.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except LightningError as exc:
+        print(f"error: {exc.reason}: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

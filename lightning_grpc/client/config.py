@@ -1,0 +1,87 @@
+"""Small frozen configuration objects of the client."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+#: Methods safe to retry on UNAVAILABLE: reads, and writes the client makes idempotent
+#: (generated rollout/resources ids, dequeue request ids, span ids, fenced attempt reports).
+IDEMPOTENT_METHODS = (
+    "StartRollout",
+    "EnqueueRollouts",
+    "DequeueRollouts",
+    "UpdateRollout",
+    "CancelRollout",
+    "GetRollout",
+    "ListRollouts",
+    "GetLatestAttempt",
+    "ListAttempts",
+    "HeartbeatAttempt",
+    "CompleteAttempt",
+    "AddSpans",
+    "ListSpans",
+    "AddResources",
+    "GetResources",
+    "GetLatestResources",
+    "ListResources",
+    "HeartbeatWorker",
+    "GetWorker",
+    "ListWorkers",
+    "WaitForRollouts",
+    "GetStatistics",
+)
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """gRPC service-config retry policy, applied to idempotent methods on UNAVAILABLE only."""
+
+    max_attempts: int = 5
+    initial_backoff: float = 0.1
+    max_backoff: float = 5.0
+    backoff_multiplier: float = 2.0
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    root_certificates: bytes | None = None
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+    #: For tests with certificates issued to another name.
+    server_name_override: str | None = None
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How to reach a lightning-grpc server."""
+
+    target: str = "127.0.0.1:4747"
+    token: str | None = None
+    tls: TlsConfig | None = None
+    retry: RetryConfig | None = field(default_factory=RetryConfig)
+    #: Default deadline of a call, in seconds (long-polls add their wait on top).
+    timeout: float = 30.0
+    gzip: bool = False
+    keepalive_seconds: float = 30.0
+
+    def service_config(self, service: str = "lightning.v1.StoreService") -> str:
+        if self.retry is None:
+            return json.dumps({"methodConfig": []})
+        r = self.retry
+        return json.dumps(
+            {
+                "methodConfig": [
+                    {
+                        "name": [{"service": service, "method": m} for m in IDEMPOTENT_METHODS],
+                        "retryPolicy": {
+                            "maxAttempts": r.max_attempts,
+                            "initialBackoff": f"{r.initial_backoff}s",
+                            "maxBackoff": f"{r.max_backoff}s",
+                            "backoffMultiplier": r.backoff_multiplier,
+                            "retryableStatusCodes": ["UNAVAILABLE"],
+                        },
+                    }
+                ]
+            }
+        )

@@ -1,0 +1,582 @@
+"""StoreClient: the friendly face of the StoreService stubs, returning plain Python objects."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from lightning_grpc import convert
+from lightning_grpc import types as t
+from lightning_grpc.errors import InvalidArgumentError, LightningError, NotFoundError, UnavailableError
+from lightning_grpc.v1 import span_pb2
+from lightning_grpc.v1 import store_service_pb2 as pb
+from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
+
+from .config import ClientConfig
+from .errors import from_rpc_error
+
+T = TypeVar("T")
+
+_ENUMS: dict[type, type] = {}
+
+
+def _enum(kind: type[T], value: Any) -> T:
+    """Accept an enum member, its number, or its name in any case ("succeeded", "SUCCEEDED")."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        try:
+            return kind[value.upper()]  # type: ignore[index,no-any-return]
+        except KeyError:
+            raise InvalidArgumentError("status", f"{value!r} is not a {kind.__name__}") from None
+    return kind(value)  # type: ignore[call-arg]
+
+
+@dataclass
+class AddSpansResult:
+    sequence_ids: list[int]
+    stored_count: int
+    duplicate_count: int
+
+
+@dataclass
+class AttemptHeartbeat:
+    attempt: t.Attempt
+    rollout_status: t.RolloutStatus
+    cancelled: bool
+    should_stop: bool
+
+
+@dataclass
+class WatchEvent:
+    rollout: t.Rollout | None
+    resume_token: str
+    revision: int
+
+
+def make_channel(config: ClientConfig) -> grpc.aio.Channel:
+    options: list[tuple[str, Any]] = [
+        ("grpc.service_config", config.service_config()),
+        ("grpc.enable_retries", 1 if config.retry else 0),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    compression = grpc.Compression.Gzip if config.gzip else None
+    if config.tls is None:
+        return grpc.aio.insecure_channel(config.target, options=options, compression=compression)
+    tls = config.tls
+    if tls.server_name_override:
+        options.append(("grpc.ssl_target_name_override", tls.server_name_override))
+    creds = grpc.ssl_channel_credentials(tls.root_certificates, tls.private_key, tls.certificate_chain)
+    return grpc.aio.secure_channel(config.target, creds, options=options, compression=compression)
+
+
+def _spec(
+    input: Any,
+    *,
+    rollout_id: str = "",
+    mode: t.RolloutMode | str | int | None = None,
+    resources_id: str = "",
+    group_id: str = "",
+    config: t.RolloutConfig | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> t.RolloutSpec:
+    return t.RolloutSpec(
+        input=input,
+        rollout_id=rollout_id or f"ro-{uuid.uuid4().hex[:16]}",
+        mode=_enum(t.RolloutMode, mode) if mode is not None else t.RolloutMode.UNSPECIFIED,
+        resources_id=resources_id,
+        group_id=group_id,
+        config=config or t.RolloutConfig(),
+        metadata=dict(metadata or {}),
+    )
+
+
+class StoreClient:
+    """Async client of the StoreService. Create it inside the event loop that uses it.
+
+    Every method raises a subclass of :class:`lightning_grpc.errors.LightningError` on failure.
+    Unknown ids raise :class:`NotFoundError`, except the ``get_*_by_id`` helpers, which return None.
+    """
+
+    def __init__(self, target: str | ClientConfig = "127.0.0.1:4747", **options: Any) -> None:
+        self.config = target if isinstance(target, ClientConfig) else ClientConfig(target=target, **options)
+        self._channel = make_channel(self.config)
+        self._stub = pb_grpc.StoreServiceStub(self._channel)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> StoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def stub(self) -> pb_grpc.StoreServiceStub:
+        """The raw generated stub, for anything this class does not wrap."""
+        return self._stub
+
+    async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return await getattr(self._stub, method)(
+                request, timeout=timeout or self.config.timeout, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    # ------------------------------------------------------------ rollouts
+    async def start_rollout(self, input: Any, *, worker_id: str = "", **spec: Any) -> t.Rollout:
+        request = pb.StartRolloutRequest(worker_id=worker_id)
+        convert.spec_to_pb(_spec(input, **spec), request.rollout)
+        resp = await self._call("StartRollout", request)
+        return convert.rollout_from_pb(resp.rollout)
+
+    async def enqueue_rollout(self, input: Any, **spec: Any) -> t.Rollout:
+        return (await self.enqueue_rollouts([_spec(input, **spec)]))[0]
+
+    async def enqueue_rollouts(self, specs: Sequence[t.RolloutSpec | Mapping[str, Any]]) -> list[t.Rollout]:
+        request = pb.EnqueueRolloutsRequest()
+        for spec in specs:
+            s = spec if isinstance(spec, t.RolloutSpec) else _spec(**spec)
+            if not s.rollout_id:
+                s = t.RolloutSpec(**{**s.__dict__, "rollout_id": f"ro-{uuid.uuid4().hex[:16]}"})
+            convert.spec_to_pb(s, request.rollouts.add())
+        resp = await self._call("EnqueueRollouts", request)
+        return [convert.rollout_from_pb(r) for r in resp.rollouts]
+
+    async def dequeue_rollouts(
+        self, limit: int = 1, *, worker_id: str = "", wait: float | None = None
+    ) -> list[t.Rollout]:
+        request = pb.DequeueRolloutsRequest(
+            worker_id=worker_id, max_rollouts=limit, request_id=f"dq-{uuid.uuid4().hex}"
+        )
+        if wait:
+            convert.float_to_duration(wait, request.wait_timeout)
+        resp = await self._call("DequeueRollouts", request, timeout=self.config.timeout + (wait or 0))
+        return [convert.rollout_from_pb(r) for r in resp.rollouts]
+
+    async def dequeue_rollout(self, *, worker_id: str = "", wait: float | None = None) -> t.Rollout | None:
+        got = await self.dequeue_rollouts(1, worker_id=worker_id, wait=wait)
+        return got[0] if got else None
+
+    async def start_attempt(self, rollout_id: str, *, worker_id: str = "") -> t.Rollout:
+        resp = await self._call(
+            "StartAttempt", pb.StartAttemptRequest(rollout_id=rollout_id, worker_id=worker_id)
+        )
+        return convert.rollout_from_pb(resp.rollout)
+
+    async def update_rollout(self, rollout_id: str, **fields: Any) -> t.Rollout:
+        """Change input, mode, resources_id, group_id, config or metadata (keyword arguments)."""
+        request = pb.UpdateRolloutRequest(rollout_id=rollout_id)
+        for name, value in fields.items():
+            if name == "input":
+                convert.python_to_value(value, request.input, "input")
+            elif name == "mode":
+                request.mode = int(_enum(t.RolloutMode, value))  # type: ignore[assignment]
+            elif name in ("resources_id", "group_id"):
+                setattr(request, name, value)
+            elif name == "config":
+                convert.config_to_pb(value, request.config)
+            elif name == "metadata":
+                convert.dict_to_struct(value or {}, request.metadata, "metadata")
+            else:
+                raise InvalidArgumentError(name, "is not an updatable rollout field")
+            request.update_mask.paths.append(name)
+        resp = await self._call("UpdateRollout", request)
+        return convert.rollout_from_pb(resp.rollout)
+
+    async def cancel_rollout(self, rollout_id: str, reason: str = "") -> t.Rollout:
+        resp = await self._call(
+            "CancelRollout", pb.CancelRolloutRequest(rollout_id=rollout_id, reason=reason)
+        )
+        return convert.rollout_from_pb(resp.rollout)
+
+    async def get_rollout(self, rollout_id: str) -> t.Rollout:
+        resp = await self._call("GetRollout", pb.GetRolloutRequest(rollout_id=rollout_id))
+        return convert.rollout_from_pb(resp.rollout)
+
+    async def get_rollout_by_id(self, rollout_id: str) -> t.Rollout | None:
+        try:
+            return await self.get_rollout(rollout_id)
+        except NotFoundError:
+            return None
+
+    async def list_rollouts(
+        self,
+        *,
+        status_in: Iterable[t.RolloutStatus | str | int] = (),
+        rollout_ids: Iterable[str] = (),
+        rollout_id_contains: str = "",
+        mode: t.RolloutMode | str | int | None = None,
+        group_id: str = "",
+        order_by: str = "",
+        descending: bool = False,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> t.Page:
+        request = pb.ListRolloutsRequest(
+            statuses=[int(_enum(t.RolloutStatus, s)) for s in status_in],  # type: ignore[misc]
+            rollout_ids=list(rollout_ids),
+            rollout_id_contains=rollout_id_contains,
+            mode=int(_enum(t.RolloutMode, mode)) if mode is not None else 0,  # type: ignore[arg-type]
+            group_id=group_id,
+            order_by=order_by,
+            order=2 if descending else 0,  # type: ignore[arg-type]
+            page_size=page_size,
+            page_token=page_token,
+        )
+        resp = await self._call("ListRollouts", request)
+        return t.Page(
+            items=[convert.rollout_from_pb(r) for r in resp.rollouts],
+            next_page_token=resp.next_page_token,
+            total_size=resp.total_size,
+        )
+
+    async def query_rollouts(self, **filters: Any) -> list[t.Rollout]:
+        """Every rollout matching the filters of :meth:`list_rollouts`, across all pages."""
+        out: list[t.Rollout] = []
+        token = ""
+        while True:
+            page = await self.list_rollouts(**filters, page_size=1000, page_token=token)
+            out.extend(page.items)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    # ------------------------------------------------------------ attempts
+    async def get_latest_attempt(self, rollout_id: str) -> t.Attempt | None:
+        resp = await self._call("GetLatestAttempt", pb.GetLatestAttemptRequest(rollout_id=rollout_id))
+        return convert.attempt_from_pb(resp.attempt) if resp.HasField("attempt") else None
+
+    async def query_attempts(self, rollout_id: str, *, descending: bool = False) -> list[t.Attempt]:
+        out: list[t.Attempt] = []
+        token = ""
+        while True:
+            resp = await self._call(
+                "ListAttempts",
+                pb.ListAttemptsRequest(
+                    rollout_id=rollout_id,
+                    order=2 if descending else 0,  # type: ignore[arg-type]
+                    page_size=1000,
+                    page_token=token,
+                ),
+            )
+            out.extend(convert.attempt_from_pb(a) for a in resp.attempts)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    async def heartbeat_attempt(self, rollout_id: str, attempt_id: str) -> AttemptHeartbeat:
+        resp = await self._call(
+            "HeartbeatAttempt", pb.HeartbeatAttemptRequest(rollout_id=rollout_id, attempt_id=attempt_id)
+        )
+        return AttemptHeartbeat(
+            attempt=convert.attempt_from_pb(resp.attempt),
+            rollout_status=t.RolloutStatus(resp.rollout_status),
+            cancelled=resp.cancelled,
+            should_stop=resp.should_stop,
+        )
+
+    async def complete_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: t.AttemptStatus | str | int,
+        message: str = "",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> tuple[t.Attempt, t.Rollout]:
+        request = pb.CompleteAttemptRequest(
+            rollout_id=rollout_id,
+            attempt_id=attempt_id,
+            status=int(_enum(t.AttemptStatus, status)),  # type: ignore[arg-type]
+            message=message,
+        )
+        if metadata is not None:
+            convert.dict_to_struct(metadata, request.metadata, "metadata")
+        resp = await self._call("CompleteAttempt", request)
+        return convert.attempt_from_pb(resp.attempt), convert.rollout_from_pb(resp.rollout)
+
+    async def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: t.AttemptStatus | str | int,
+        message: str = "",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> t.Attempt:
+        """Report an attempt's outcome (SUCCEEDED, or FAILED with a message); returns the attempt."""
+        attempt, _ = await self.complete_attempt(rollout_id, attempt_id, status, message, metadata)
+        return attempt
+
+    # ------------------------------------------------------------ spans
+    async def add_spans(
+        self,
+        spans: Iterable[t.Span | span_pb2.Span],
+        *,
+        rollout_id: str = "",
+        attempt_id: str = "",
+    ) -> AddSpansResult:
+        request = pb.AddSpansRequest(rollout_id=rollout_id, attempt_id=attempt_id)
+        for s in spans:
+            if isinstance(s, span_pb2.Span):
+                request.spans.append(s)
+            else:
+                convert.span_to_pb(s, request.spans.add())
+        resp = await self._call("AddSpans", request)
+        return AddSpansResult(list(resp.sequence_ids), resp.stored_count, resp.duplicate_count)
+
+    async def add_span(self, span: t.Span | span_pb2.Span) -> int:
+        """Store one span; returns its sequence id."""
+        return (await self.add_spans([span])).sequence_ids[0]
+
+    async def query_spans(
+        self,
+        rollout_id: str,
+        attempt_id: str | None = None,
+        *,
+        trace_id: str = "",
+        span_id: str = "",
+        parent_span_id: str = "",
+        name: str = "",
+        name_contains: str = "",
+    ) -> list[t.Span]:
+        """All spans of a rollout (``attempt_id``: None for all attempts, "latest", or an id)."""
+        selector = pb.SpanSelector(
+            rollout_id=rollout_id,
+            attempt_id=attempt_id or "",
+            trace_id=trace_id,
+            span_id=span_id,
+            parent_span_id=parent_span_id,
+            name=name,
+            name_contains=name_contains,
+        )
+        out: list[t.Span] = []
+        token = ""
+        while True:
+            resp = await self._call(
+                "ListSpans", pb.ListSpansRequest(selector=selector, page_size=10_000, page_token=token)
+            )
+            out.extend(convert.span_from_pb(s) for s in resp.spans)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    async def tail_spans(
+        self, rollout_id: str, attempt_id: str | None = None, *, follow: bool = False
+    ) -> AsyncIterator[list[t.Span]]:
+        """Batches of a rollout's spans in order; with ``follow``, new ones as they arrive."""
+        request = pb.TailSpansRequest(
+            selector=pb.SpanSelector(rollout_id=rollout_id, attempt_id=attempt_id or ""), follow=follow
+        )
+        call = self._stub.TailSpans(
+            request, metadata=self._metadata, timeout=None if follow else self.config.timeout
+        )
+        try:
+            async for resp in call:
+                yield [convert.span_from_pb(s) for s in resp.spans]
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str, count: int = 1) -> int:
+        resp = await self._call(
+            "GetNextSpanSequenceId",
+            pb.GetNextSpanSequenceIdRequest(rollout_id=rollout_id, attempt_id=attempt_id, count=count),
+        )
+        return int(resp.sequence_id)
+
+    # ------------------------------------------------------------ resources
+    async def add_resources(
+        self, resources: Mapping[str, t.Resource], resources_id: str = ""
+    ) -> t.ResourcesUpdate:
+        request = pb.AddResourcesRequest(resources_id=resources_id or f"rs-{uuid.uuid4().hex[:16]}")
+        for name, r in resources.items():
+            convert.resource_to_pb(r, request.resources[name])
+        resp = await self._call("AddResources", request)
+        return convert.resources_update_from_pb(resp.resources)
+
+    async def update_resources(
+        self, resources_id: str, resources: Mapping[str, t.Resource], *, expected_version: int = 0
+    ) -> t.ResourcesUpdate:
+        request = pb.UpdateResourcesRequest(resources_id=resources_id, expected_version=expected_version)
+        for name, r in resources.items():
+            convert.resource_to_pb(r, request.resources[name])
+        resp = await self._call("UpdateResources", request)
+        return convert.resources_update_from_pb(resp.resources)
+
+    async def get_resources(self, resources_id: str) -> t.ResourcesUpdate:
+        resp = await self._call("GetResources", pb.GetResourcesRequest(resources_id=resources_id))
+        return convert.resources_update_from_pb(resp.resources)
+
+    async def get_resources_by_id(self, resources_id: str) -> t.ResourcesUpdate | None:
+        try:
+            return await self.get_resources(resources_id)
+        except NotFoundError:
+            return None
+
+    async def get_latest_resources(self) -> t.ResourcesUpdate | None:
+        resp = await self._call("GetLatestResources", pb.GetLatestResourcesRequest())
+        return convert.resources_update_from_pb(resp.resources) if resp.HasField("resources") else None
+
+    async def query_resources(
+        self, *, resources_id_contains: str = "", descending: bool = False
+    ) -> list[t.ResourcesUpdate]:
+        out: list[t.ResourcesUpdate] = []
+        token = ""
+        while True:
+            resp = await self._call(
+                "ListResources",
+                pb.ListResourcesRequest(
+                    resources_id_contains=resources_id_contains,
+                    order=2 if descending else 0,  # type: ignore[arg-type]
+                    page_size=1000,
+                    page_token=token,
+                ),
+            )
+            out.extend(convert.resources_update_from_pb(r) for r in resp.resources)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    # ------------------------------------------------------------ workers
+    async def update_worker(
+        self, worker_id: str, heartbeat_stats: Mapping[str, Any] | None = None
+    ) -> t.Worker:
+        """Worker heartbeat (creates the worker on first call); replaces its stats when given."""
+        request = pb.HeartbeatWorkerRequest(worker_id=worker_id)
+        if heartbeat_stats is not None:
+            convert.dict_to_struct(heartbeat_stats, request.heartbeat_stats, "heartbeat_stats")
+        resp = await self._call("HeartbeatWorker", request)
+        return convert.worker_from_pb(resp.worker)
+
+    heartbeat_worker = update_worker
+
+    async def get_worker_by_id(self, worker_id: str) -> t.Worker | None:
+        try:
+            resp = await self._call("GetWorker", pb.GetWorkerRequest(worker_id=worker_id))
+        except NotFoundError:
+            return None
+        return convert.worker_from_pb(resp.worker)
+
+    async def query_workers(
+        self, *, status_in: Iterable[t.WorkerStatus | str | int] = (), worker_id_contains: str = ""
+    ) -> list[t.Worker]:
+        out: list[t.Worker] = []
+        token = ""
+        while True:
+            resp = await self._call(
+                "ListWorkers",
+                pb.ListWorkersRequest(
+                    statuses=[int(_enum(t.WorkerStatus, s)) for s in status_in],  # type: ignore[misc]
+                    worker_id_contains=worker_id_contains,
+                    page_size=1000,
+                    page_token=token,
+                ),
+            )
+            out.extend(convert.worker_from_pb(w) for w in resp.workers)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    # ------------------------------------------------------------ waiting
+    async def wait_for_rollouts(
+        self, rollout_ids: Sequence[str], timeout: float | None = None
+    ) -> list[t.Rollout]:
+        """The finished rollouts among ``rollout_ids`` once all finish or ``timeout`` passes (None: no limit)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            remaining = 3600.0 if deadline is None else max(0.0, deadline - loop.time())
+            chunk = min(remaining, 3600.0)
+            request = pb.WaitForRolloutsRequest(rollout_ids=list(rollout_ids))
+            if chunk > 0:
+                convert.float_to_duration(chunk, request.timeout)
+            resp = await self._call("WaitForRollouts", request, timeout=chunk + self.config.timeout)
+            done = [convert.rollout_from_pb(r) for r in resp.rollouts]
+            if len(done) >= len(set(rollout_ids)) or (deadline is not None and loop.time() >= deadline):
+                return done
+
+    async def watch_rollouts(
+        self,
+        resume_token: str = "",
+        *,
+        rollout_ids: Iterable[str] = (),
+        status_in: Iterable[t.RolloutStatus | str | int] = (),
+        progress_interval: float | None = None,
+        include_progress: bool = False,
+    ) -> AsyncIterator[WatchEvent]:
+        """Rollout changes as they are committed; reconnects from the last token if the server goes away."""
+        token = resume_token
+        ids = list(rollout_ids)
+        statuses = [int(_enum(t.RolloutStatus, s)) for s in status_in]
+        while True:
+            request = pb.WatchRolloutsRequest(resume_token=token, rollout_ids=ids, statuses=statuses)  # type: ignore[arg-type]
+            if progress_interval:
+                convert.float_to_duration(progress_interval, request.progress_interval)
+            call = self._stub.WatchRollouts(request, metadata=self._metadata)
+            try:
+                async for resp in call:
+                    token = resp.resume_token
+                    rollout = convert.rollout_from_pb(resp.rollout) if resp.HasField("rollout") else None
+                    if rollout is not None or include_progress:
+                        yield WatchEvent(rollout, resp.resume_token, resp.revision)
+                return
+            except grpc.aio.AioRpcError as exc:
+                err = from_rpc_error(exc)
+                if isinstance(err, UnavailableError) and token:
+                    await asyncio.sleep(0.2)
+                    continue
+                raise err from None
+            finally:
+                call.cancel()
+
+    # ------------------------------------------------------------ statistics and housekeeping
+    async def statistics(self) -> t.Statistics:
+        resp = await self._call("GetStatistics", pb.GetStatisticsRequest())
+        return t.Statistics(
+            rollouts_by_status={
+                k.removeprefix("ROLLOUT_STATUS_").lower(): v for k, v in resp.rollouts_by_status.items()
+            },
+            total_rollouts=resp.total_rollouts,
+            total_attempts=resp.total_attempts,
+            total_spans=resp.total_spans,
+            total_resources=resp.total_resources,
+            total_workers=resp.total_workers,
+            uptime=convert.duration_to_float(resp.uptime) or 0.0,
+            backend=resp.backend,
+            memory_bytes=resp.memory_bytes,
+            queue_length=resp.queue_length,
+        )
+
+    async def delete_rollouts(
+        self, rollout_ids: Sequence[str] = (), *, finished_before: float | None = None
+    ) -> t.DeleteResult:
+        request = pb.DeleteRolloutsRequest(rollout_ids=list(rollout_ids))
+        if finished_before is not None:
+            convert.set_ts(request.finished_before, finished_before)
+        resp = await self._call("DeleteRollouts", request)
+        return t.DeleteResult(resp.deleted_rollouts, resp.deleted_attempts, resp.deleted_spans)
+
+
+__all__ = [
+    "AddSpansResult",
+    "AttemptHeartbeat",
+    "LightningError",
+    "StoreClient",
+    "WatchEvent",
+    "make_channel",
+]

@@ -1,0 +1,144 @@
+"""The one typed error hierarchy of lightning-grpc.
+
+The core raises these; the server maps each class to a gRPC status code and a
+``google.rpc.ErrorInfo`` (reason + domain) through :data:`STATUS_OF`; the client reverses the
+reason back into the same class. Messages are for developers and never carry a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+#: The ErrorInfo domain of every error this project raises. Part of the contract.
+ERROR_DOMAIN = "lightning-grpc.dev"
+
+
+class LightningError(Exception):
+    """Base class. ``reason`` is the stable ErrorInfo reason; ``metadata`` repeats the ids."""
+
+    code_name: ClassVar[str] = "UNKNOWN"
+    default_reason: ClassVar[str] = "UNKNOWN"
+
+    def __init__(self, message: str, *, reason: str | None = None, **metadata: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason or self.default_reason
+        self.metadata = {k: str(v) for k, v in metadata.items()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.reason}: {self.message})"
+
+
+class NotFoundError(LightningError):
+    """An id names nothing the store has."""
+
+    code_name = "NOT_FOUND"
+    default_reason = "NOT_FOUND"
+
+
+class InvalidArgumentError(LightningError):
+    """A request field is malformed. ``field`` names it, for example ``rollouts[2].config.max_attempts``."""
+
+    code_name = "INVALID_ARGUMENT"
+    default_reason = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str, *, reason: str | None = None, **metadata: str) -> None:
+        super().__init__(f"{field}: {message}", reason=reason, field=field, **metadata)
+        self.field = field
+
+
+class FailedPreconditionError(LightningError):
+    """The request is well formed but the state does not allow it (an illegal transition)."""
+
+    code_name = "FAILED_PRECONDITION"
+    default_reason = "FAILED_PRECONDITION"
+
+
+class AlreadyExistsError(LightningError):
+    """A caller-supplied id is taken by something different."""
+
+    code_name = "ALREADY_EXISTS"
+    default_reason = "ALREADY_EXISTS"
+
+
+class AbortedError(LightningError):
+    """A concurrent change won (for example an expected version did not match)."""
+
+    code_name = "ABORTED"
+    default_reason = "ABORTED"
+
+
+class ResourceExhaustedError(LightningError):
+    """A size or memory limit was reached."""
+
+    code_name = "RESOURCE_EXHAUSTED"
+    default_reason = "RESOURCE_EXHAUSTED"
+
+
+class OutOfRangeError(LightningError):
+    """A token or position lies outside what the store keeps."""
+
+    code_name = "OUT_OF_RANGE"
+    default_reason = "OUT_OF_RANGE"
+
+
+class UnauthenticatedError(LightningError):
+    """The bearer token is missing or wrong."""
+
+    code_name = "UNAUTHENTICATED"
+    default_reason = "UNAUTHENTICATED"
+
+
+class UnavailableError(LightningError):
+    """The service cannot answer now (shutting down, storage busy); retrying may succeed."""
+
+    code_name = "UNAVAILABLE"
+    default_reason = "UNAVAILABLE"
+
+
+class DeadlineExceededError(LightningError):
+    """The call's deadline passed before it finished."""
+
+    code_name = "DEADLINE_EXCEEDED"
+    default_reason = "DEADLINE_EXCEEDED"
+
+
+class InternalError(LightningError):
+    """A bug in the server. Never used for a client's mistake."""
+
+    code_name = "INTERNAL"
+    default_reason = "INTERNAL"
+
+
+ERROR_CLASSES: tuple[type[LightningError], ...] = (
+    NotFoundError,
+    InvalidArgumentError,
+    FailedPreconditionError,
+    AlreadyExistsError,
+    AbortedError,
+    ResourceExhaustedError,
+    OutOfRangeError,
+    UnauthenticatedError,
+    UnavailableError,
+    DeadlineExceededError,
+    InternalError,
+)
+
+#: gRPC status code name of each error class: the one table both sides use.
+STATUS_OF: dict[type[LightningError], str] = {cls: cls.code_name for cls in ERROR_CLASSES}
+
+#: The reverse, for clients: status code name -> class (reasons refine the message, not the class).
+CLASS_OF_STATUS: dict[str, type[LightningError]] = {cls.code_name: cls for cls in ERROR_CLASSES}
+
+
+def error_from_status(code_name: str, message: str, reason: str, metadata: dict[str, str]) -> LightningError:
+    """Rebuild the typed error a server raised, from its status code and ErrorInfo."""
+    cls = CLASS_OF_STATUS.get(code_name, LightningError)
+    if cls is InvalidArgumentError:
+        field = metadata.get("field", "")
+        err: LightningError = InvalidArgumentError.__new__(InvalidArgumentError)
+        LightningError.__init__(err, message, reason=reason, **metadata)
+        err.field = field  # type: ignore[attr-defined]
+        return err
+    other = metadata.copy()
+    return cls(message, reason=reason, **other)

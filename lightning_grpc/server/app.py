@@ -1,0 +1,152 @@
+"""Assemble and run the gRPC server: StoreService, health, reflection, auth, TLS, limits, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
+from lightning_grpc.v1 import store_service_pb2, store_service_pb2_grpc
+
+from .auth import BearerTokenInterceptor
+from .store_servicer import StoreServicer
+
+log = logging.getLogger("lightning_grpc.server")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+STORE_SERVICE = store_service_pb2.DESCRIPTOR.services_by_name["StoreService"].full_name
+
+#: Extra services hosted by the same server: (full service name, function adding it to a server).
+ServiceHook = tuple[str, Callable[[grpc.aio.Server], None]]
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert_chain: Path
+    private_key: Path
+    #: When set, clients must present a certificate signed by this CA.
+    client_ca: Path | None = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 4747
+    #: SQLite file; None for the in-memory backend.
+    db: Path | None = None
+    token: str | None = None
+    tls: TlsFiles | None = None
+    #: In-memory backend only: evict the oldest finished rollouts above this many bytes.
+    max_memory_bytes: int | None = None
+    max_span_bytes: int = 16 * 1024 * 1024
+    gzip_responses: bool = False
+    #: Seconds in-flight calls get to finish on shutdown.
+    grace: float = 10.0
+    extra_services: Sequence[ServiceHook] = field(default_factory=tuple)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    store: Store
+    health: HealthServicer
+    port: int
+    config: ServerConfig
+    service_names: tuple[str, ...]
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def stop(self) -> None:
+        """Drain: NOT_SERVING, end long-polls and watches, let calls finish, commit, close."""
+        log.info("event=server_draining address=%s grace=%.1f", self.address, self.config.grace)
+        await self.health.enter_graceful_shutdown()
+        self.store.begin_shutdown()
+        await self.server.stop(self.config.grace)
+        await self.store.close()
+        log.info("event=server_stopped address=%s", self.address)
+
+
+def make_store(config: ServerConfig) -> Store:
+    backend = SqliteBackend(config.db) if config.db is not None else MemoryBackend()
+    return Store(backend, max_memory_bytes=config.max_memory_bytes, max_span_bytes=config.max_span_bytes)
+
+
+async def start_server(config: ServerConfig, store: Store | None = None) -> RunningServer:
+    """Open the store (unless given, already started) and serve it; returns once listening."""
+    if store is None:
+        store = await make_store(config).start()
+    interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ],
+        compression=grpc.Compression.Gzip if config.gzip_responses else None,
+    )
+    store_service_pb2_grpc.add_StoreServiceServicer_to_server(StoreServicer(store), server)
+    names = [STORE_SERVICE]
+    for name, add in config.extra_services:
+        add(server)
+        names.append(name)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    address = f"{config.host}:{config.port}"
+    try:
+        if config.tls is not None:
+            creds = grpc.ssl_server_credentials(
+                [(config.tls.private_key.read_bytes(), config.tls.cert_chain.read_bytes())],
+                root_certificates=config.tls.client_ca.read_bytes() if config.tls.client_ca else None,
+                require_client_auth=config.tls.client_ca is not None,
+            )
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        await store.close()
+        raise OSError(f"cannot listen on {address}: {exc} (is another server using the port?)") from None
+    if not port:
+        await store.close()
+        raise OSError(f"cannot listen on {address} (is another server using the port?)")
+    await server.start()
+    for name in ("", *names):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "event=server_started address=%s:%d backend=%s tls=%s auth=%s",
+        config.host,
+        port,
+        store.backend.name,
+        config.tls is not None,
+        bool(config.token),
+    )
+    return RunningServer(server, store, health, port, config, tuple(names))
+
+
+async def serve(config: ServerConfig, ready: Callable[[RunningServer], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain and exit."""
+    running = await start_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready(running)
+    await stop.wait()
+    await running.stop()

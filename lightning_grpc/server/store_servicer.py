@@ -1,0 +1,426 @@
+"""StoreService over gRPC: translate Protobuf <-> domain and call the store core. Nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from lightning_grpc import convert
+from lightning_grpc.errors import InvalidArgumentError, LightningError
+from lightning_grpc.store import SpanRecord, SpanSelection, Store
+from lightning_grpc.v1 import store_service_pb2 as pb
+from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
+
+from .adapter import streaming, unary
+
+Ctx = grpc.aio.ServicerContext
+
+
+def span_records(spans: Any) -> list[SpanRecord]:
+    """Incoming spans as store records: ids broken out, the rest kept as serialized bytes."""
+    return [
+        SpanRecord(
+            s.rollout_id,
+            s.attempt_id,
+            s.span_id,
+            s.trace_id,
+            s.parent_span_id,
+            s.name,
+            s.start_time_unix_nano,
+            s.end_time_unix_nano,
+            s.SerializeToString(),
+            s.sequence_id,
+        )
+        for s in spans
+    ]
+
+
+def _selection(sel: pb.SpanSelector) -> SpanSelection:
+    return SpanSelection(
+        rollout_id=sel.rollout_id,
+        attempt_id=sel.attempt_id,
+        trace_id=sel.trace_id,
+        span_id=sel.span_id,
+        parent_span_id=sel.parent_span_id,
+        name=sel.name,
+        name_contains=sel.name_contains,
+    )
+
+
+def _wait(request: Any, field: str) -> float | None:
+    return convert.duration_to_float(getattr(request, field)) if request.HasField(field) else None
+
+
+def _descending(order: int) -> bool:
+    return order == 2  # SORT_ORDER_DESCENDING
+
+
+class StoreServicer(pb_grpc.StoreServiceServicer):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    # ------------------------------------------------------------ rollouts
+    @unary
+    async def StartRollout(self, request: pb.StartRolloutRequest, context: Ctx) -> pb.StartRolloutResponse:
+        rollout = await self.store.start_rollout(convert.spec_from_pb(request.rollout), request.worker_id)
+        resp = pb.StartRolloutResponse()
+        convert.rollout_to_pb(rollout, resp.rollout)
+        return resp
+
+    @unary
+    async def EnqueueRollouts(
+        self, request: pb.EnqueueRolloutsRequest, context: Ctx
+    ) -> pb.EnqueueRolloutsResponse:
+        rollouts = await self.store.enqueue_rollouts([convert.spec_from_pb(s) for s in request.rollouts])
+        resp = pb.EnqueueRolloutsResponse()
+        for r in rollouts:
+            convert.rollout_to_pb(r, resp.rollouts.add())
+        return resp
+
+    @unary
+    async def DequeueRollouts(
+        self, request: pb.DequeueRolloutsRequest, context: Ctx
+    ) -> pb.DequeueRolloutsResponse:
+        wait = _wait(request, "wait_timeout")
+        remaining = context.time_remaining()
+        if wait is not None and remaining is not None:
+            wait = max(0.0, min(wait, remaining - 0.05))  # answer before the caller's deadline
+        rollouts = await self.store.dequeue_rollouts(
+            request.worker_id, request.max_rollouts, wait, request.request_id
+        )
+        resp = pb.DequeueRolloutsResponse()
+        for r in rollouts:
+            convert.rollout_to_pb(r, resp.rollouts.add())
+        return resp
+
+    @unary
+    async def StartAttempt(self, request: pb.StartAttemptRequest, context: Ctx) -> pb.StartAttemptResponse:
+        rollout = await self.store.start_attempt(request.rollout_id, request.worker_id)
+        resp = pb.StartAttemptResponse()
+        convert.rollout_to_pb(rollout, resp.rollout)
+        return resp
+
+    @unary
+    async def UpdateRollout(self, request: pb.UpdateRolloutRequest, context: Ctx) -> pb.UpdateRolloutResponse:
+        paths = list(request.update_mask.paths)
+        if not paths:
+            paths = [f.name for f, _ in request.ListFields() if f.name not in ("rollout_id", "update_mask")]
+        changes: dict[str, Any] = {}
+        for path in paths:
+            if path == "input":
+                changes["input"] = (
+                    convert.value_to_python(request.input) if request.HasField("input") else None
+                )
+            elif path == "mode":
+                changes["mode"] = request.mode
+            elif path == "resources_id":
+                changes["resources_id"] = request.resources_id
+            elif path == "group_id":
+                changes["group_id"] = request.group_id
+            elif path == "config":
+                changes["config"] = convert.config_from_pb(request.config)
+            elif path == "metadata":
+                changes["metadata"] = convert.struct_to_dict(request.metadata)
+            else:
+                raise InvalidArgumentError(
+                    "update_mask",
+                    f"unknown path {path!r}; updatable: input, mode, resources_id, group_id, config, metadata",
+                )
+        rollout = await self.store.update_rollout(request.rollout_id, changes)
+        resp = pb.UpdateRolloutResponse()
+        convert.rollout_to_pb(rollout, resp.rollout)
+        return resp
+
+    @unary
+    async def CancelRollout(self, request: pb.CancelRolloutRequest, context: Ctx) -> pb.CancelRolloutResponse:
+        rollout = await self.store.cancel_rollout(request.rollout_id, request.reason)
+        resp = pb.CancelRolloutResponse()
+        convert.rollout_to_pb(rollout, resp.rollout)
+        return resp
+
+    @unary
+    async def GetRollout(self, request: pb.GetRolloutRequest, context: Ctx) -> pb.GetRolloutResponse:
+        rollout = await self.store.get_rollout(request.rollout_id)
+        resp = pb.GetRolloutResponse()
+        convert.rollout_to_pb(rollout, resp.rollout)
+        return resp
+
+    @unary
+    async def ListRollouts(self, request: pb.ListRolloutsRequest, context: Ctx) -> pb.ListRolloutsResponse:
+        page = await self.store.list_rollouts(
+            statuses=list(request.statuses),
+            rollout_ids=list(request.rollout_ids),
+            rollout_id_contains=request.rollout_id_contains,
+            mode=request.mode,
+            group_id=request.group_id,
+            order_by=request.order_by,
+            descending=_descending(request.order),
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        resp = pb.ListRolloutsResponse(next_page_token=page.next_page_token, total_size=page.total_size)
+        for r in page.items:
+            convert.rollout_to_pb(r, resp.rollouts.add())
+        return resp
+
+    # ------------------------------------------------------------ attempts
+    @unary
+    async def GetLatestAttempt(
+        self, request: pb.GetLatestAttemptRequest, context: Ctx
+    ) -> pb.GetLatestAttemptResponse:
+        attempt = await self.store.get_latest_attempt(request.rollout_id)
+        resp = pb.GetLatestAttemptResponse()
+        if attempt is not None:
+            convert.attempt_to_pb(attempt, resp.attempt)
+        return resp
+
+    @unary
+    async def ListAttempts(self, request: pb.ListAttemptsRequest, context: Ctx) -> pb.ListAttemptsResponse:
+        page = await self.store.list_attempts(
+            request.rollout_id,
+            descending=_descending(request.order),
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        resp = pb.ListAttemptsResponse(next_page_token=page.next_page_token, total_size=page.total_size)
+        for a in page.items:
+            convert.attempt_to_pb(a, resp.attempts.add())
+        return resp
+
+    @unary
+    async def HeartbeatAttempt(
+        self, request: pb.HeartbeatAttemptRequest, context: Ctx
+    ) -> pb.HeartbeatAttemptResponse:
+        result = await self.store.heartbeat_attempt(request.rollout_id, request.attempt_id)
+        resp = pb.HeartbeatAttemptResponse(
+            rollout_status=int(result.rollout_status),  # type: ignore[arg-type]
+            cancelled=result.cancelled,
+            should_stop=result.should_stop,
+        )
+        convert.attempt_to_pb(result.attempt, resp.attempt)
+        return resp
+
+    @unary
+    async def CompleteAttempt(
+        self, request: pb.CompleteAttemptRequest, context: Ctx
+    ) -> pb.CompleteAttemptResponse:
+        attempt, rollout = await self.store.complete_attempt(
+            request.rollout_id,
+            request.attempt_id,
+            request.status,
+            request.message,
+            convert.struct_to_dict(request.metadata) if request.HasField("metadata") else None,
+        )
+        resp = pb.CompleteAttemptResponse()
+        convert.attempt_to_pb(attempt, resp.attempt)
+        convert.rollout_to_pb(rollout, resp.rollout)
+        return resp
+
+    # ------------------------------------------------------------ spans
+    @unary
+    async def AddSpans(self, request: pb.AddSpansRequest, context: Ctx) -> pb.AddSpansResponse:
+        result = await self.store.add_spans(
+            span_records(request.spans), request.rollout_id, request.attempt_id
+        )
+        return pb.AddSpansResponse(
+            sequence_ids=result.sequence_ids,
+            stored_count=result.stored_count,
+            duplicate_count=result.duplicate_count,
+        )
+
+    @streaming
+    async def AddSpansStream(
+        self, request_iterator: AsyncIterator[pb.AddSpansStreamRequest], context: Ctx
+    ) -> AsyncIterator[pb.AddSpansStreamResponse]:
+        async for batch in request_iterator:
+            try:
+                result = await self.store.add_spans(
+                    span_records(batch.spans), batch.rollout_id, batch.attempt_id
+                )
+            except LightningError as exc:
+                if exc.code_name == "UNAVAILABLE":
+                    raise  # the stream ends; the client reconnects and resends unacknowledged batches
+                code = grpc.StatusCode[exc.code_name].value[0]
+                yield pb.AddSpansStreamResponse(
+                    batch_id=batch.batch_id,
+                    error=pb.BatchError(code=code, reason=exc.reason, message=exc.message),
+                )
+                continue
+            yield pb.AddSpansStreamResponse(
+                batch_id=batch.batch_id,
+                stored_count=result.stored_count,
+                duplicate_count=result.duplicate_count,
+            )
+
+    @unary
+    async def ListSpans(self, request: pb.ListSpansRequest, context: Ctx) -> pb.ListSpansResponse:
+        page = await self.store.list_spans(
+            _selection(request.selector), request.page_size, request.page_token
+        )
+        resp = pb.ListSpansResponse.FromString(convert.repeated_spans_bytes(page.items))
+        resp.next_page_token = page.next_page_token
+        return resp
+
+    @streaming
+    async def TailSpans(
+        self, request: pb.TailSpansRequest, context: Ctx
+    ) -> AsyncIterator[pb.TailSpansResponse]:
+        async for records in self.store.tail_spans(_selection(request.selector), follow=request.follow):
+            yield pb.TailSpansResponse.FromString(convert.repeated_spans_bytes(records))
+
+    @unary
+    async def GetNextSpanSequenceId(
+        self, request: pb.GetNextSpanSequenceIdRequest, context: Ctx
+    ) -> pb.GetNextSpanSequenceIdResponse:
+        first = await self.store.next_span_sequence_id(request.rollout_id, request.attempt_id, request.count)
+        return pb.GetNextSpanSequenceIdResponse(sequence_id=first)
+
+    # ------------------------------------------------------------ resources
+    @unary
+    async def AddResources(self, request: pb.AddResourcesRequest, context: Ctx) -> pb.AddResourcesResponse:
+        update = await self.store.add_resources(
+            convert.resources_from_pb(request.resources), request.resources_id
+        )
+        resp = pb.AddResourcesResponse()
+        convert.resources_update_to_pb(update, resp.resources)
+        return resp
+
+    @unary
+    async def UpdateResources(
+        self, request: pb.UpdateResourcesRequest, context: Ctx
+    ) -> pb.UpdateResourcesResponse:
+        update = await self.store.update_resources(
+            request.resources_id, convert.resources_from_pb(request.resources), request.expected_version
+        )
+        resp = pb.UpdateResourcesResponse()
+        convert.resources_update_to_pb(update, resp.resources)
+        return resp
+
+    @unary
+    async def GetResources(self, request: pb.GetResourcesRequest, context: Ctx) -> pb.GetResourcesResponse:
+        update = await self.store.get_resources(request.resources_id)
+        resp = pb.GetResourcesResponse()
+        convert.resources_update_to_pb(update, resp.resources)
+        return resp
+
+    @unary
+    async def GetLatestResources(
+        self, request: pb.GetLatestResourcesRequest, context: Ctx
+    ) -> pb.GetLatestResourcesResponse:
+        update = await self.store.get_latest_resources()
+        resp = pb.GetLatestResourcesResponse()
+        if update is not None:
+            convert.resources_update_to_pb(update, resp.resources)
+        return resp
+
+    @unary
+    async def ListResources(self, request: pb.ListResourcesRequest, context: Ctx) -> pb.ListResourcesResponse:
+        page = await self.store.list_resources(
+            resources_id_contains=request.resources_id_contains,
+            descending=_descending(request.order),
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        resp = pb.ListResourcesResponse(next_page_token=page.next_page_token, total_size=page.total_size)
+        for u in page.items:
+            convert.resources_update_to_pb(u, resp.resources.add())
+        return resp
+
+    # ------------------------------------------------------------ workers
+    @unary
+    async def HeartbeatWorker(
+        self, request: pb.HeartbeatWorkerRequest, context: Ctx
+    ) -> pb.HeartbeatWorkerResponse:
+        stats = (
+            convert.struct_to_dict(request.heartbeat_stats) if request.HasField("heartbeat_stats") else None
+        )
+        worker = await self.store.heartbeat_worker(request.worker_id, stats)
+        resp = pb.HeartbeatWorkerResponse()
+        convert.worker_to_pb(worker, resp.worker)
+        return resp
+
+    @unary
+    async def GetWorker(self, request: pb.GetWorkerRequest, context: Ctx) -> pb.GetWorkerResponse:
+        worker = await self.store.get_worker(request.worker_id)
+        resp = pb.GetWorkerResponse()
+        convert.worker_to_pb(worker, resp.worker)
+        return resp
+
+    @unary
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context: Ctx) -> pb.ListWorkersResponse:
+        page = await self.store.list_workers(
+            statuses=list(request.statuses),
+            worker_id_contains=request.worker_id_contains,
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        resp = pb.ListWorkersResponse(next_page_token=page.next_page_token, total_size=page.total_size)
+        for w in page.items:
+            convert.worker_to_pb(w, resp.workers.add())
+        return resp
+
+    # ------------------------------------------------------------ waiting
+    @unary
+    async def WaitForRollouts(
+        self, request: pb.WaitForRolloutsRequest, context: Ctx
+    ) -> pb.WaitForRolloutsResponse:
+        wait = _wait(request, "timeout")
+        remaining = context.time_remaining()
+        if wait is not None and remaining is not None:
+            wait = max(0.0, min(wait, remaining - 0.05))
+        rollouts = await self.store.wait_for_rollouts(list(request.rollout_ids), wait)
+        resp = pb.WaitForRolloutsResponse()
+        for r in rollouts:
+            convert.rollout_to_pb(r, resp.rollouts.add())
+        return resp
+
+    @streaming
+    async def WatchRollouts(
+        self, request: pb.WatchRolloutsRequest, context: Ctx
+    ) -> AsyncIterator[pb.WatchRolloutsResponse]:
+        events = self.store.watch_rollouts(
+            request.resume_token,
+            list(request.rollout_ids),
+            list(request.statuses),
+            _wait(request, "progress_interval"),
+        )
+        async for event in events:
+            resp = pb.WatchRolloutsResponse(resume_token=event.resume_token, revision=event.revision)
+            if event.rollout is not None:
+                convert.rollout_to_pb(event.rollout, resp.rollout)
+            yield resp
+
+    # ------------------------------------------------------------ statistics and housekeeping
+    @unary
+    async def GetStatistics(self, request: pb.GetStatisticsRequest, context: Ctx) -> pb.GetStatisticsResponse:
+        stats = await self.store.statistics()
+        resp = pb.GetStatisticsResponse(
+            rollouts_by_status={f"ROLLOUT_STATUS_{k}": v for k, v in stats.rollouts_by_status.items()},
+            total_rollouts=stats.total_rollouts,
+            total_attempts=stats.total_attempts,
+            total_spans=stats.total_spans,
+            total_resources=stats.total_resources,
+            total_workers=stats.total_workers,
+            backend=stats.backend,
+            memory_bytes=stats.memory_bytes,
+            queue_length=stats.queue_length,
+        )
+        convert.float_to_duration(stats.uptime, resp.uptime)
+        return resp
+
+    @unary
+    async def DeleteRollouts(
+        self, request: pb.DeleteRolloutsRequest, context: Ctx
+    ) -> pb.DeleteRolloutsResponse:
+        before = convert.ts_to_float(request.finished_before) if request.HasField("finished_before") else None
+        result = await self.store.delete_rollouts(list(request.rollout_ids), before)
+        return pb.DeleteRolloutsResponse(
+            deleted_rollouts=result.deleted_rollouts,
+            deleted_attempts=result.deleted_attempts,
+            deleted_spans=result.deleted_spans,
+        )
+
+
+__all__ = ["StoreServicer", "span_records"]

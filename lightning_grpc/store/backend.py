@@ -1,0 +1,115 @@
+"""The storage interface of the store core, and the in-memory backend.
+
+The core keeps rollouts, attempts, workers and resources in memory and decides every state
+change; a backend persists what each operation changed (a :class:`Txn`) and holds span bodies.
+``submit`` returns an awaitable that resolves once the change is durable (``None`` when it
+already is, as in memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from .state import LoadedState, SpanRecord, Txn
+
+
+@dataclass
+class SpanQuery:
+    rollout_id: str
+    #: 0: every attempt.
+    attempt_no: int = 0
+    #: Return spans strictly after this (attempt_no, sequence_id) position.
+    after: tuple[int, int] = (0, 0)
+    trace_id: str = ""
+    span_id: str = ""
+    parent_span_id: str = ""
+    name: str = ""
+    name_contains: str = ""
+    limit: int = 1000
+
+    def matches(self, r: SpanRecord) -> bool:
+        return (
+            (not self.trace_id or r.trace_id == self.trace_id)
+            and (not self.span_id or r.span_id == self.span_id)
+            and (not self.parent_span_id or r.parent_span_id == self.parent_span_id)
+            and (not self.name or r.name == self.name)
+            and (not self.name_contains or self.name_contains in r.name)
+        )
+
+
+class Backend(Protocol):
+    name: str
+    #: True when span bodies live in this process's memory (memory accounting applies).
+    in_memory: bool
+
+    async def open(self) -> LoadedState: ...
+
+    def submit(self, tx: Txn) -> asyncio.Future[None] | None: ...
+
+    async def query_spans(self, query: SpanQuery) -> list[SpanRecord]: ...
+
+    def load_span_ids(self, rollout_id: str, attempt_no: int) -> dict[str, int]: ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryBackend:
+    """Volatile storage: everything lives in this process and is gone when it exits."""
+
+    name = "memory"
+    in_memory = True
+
+    def __init__(self) -> None:
+        # rollout_id -> attempt_no -> spans (kept sorted by sequence id on read)
+        self._spans: dict[str, dict[int, list[SpanRecord]]] = {}
+        self._unsorted: set[tuple[str, int]] = set()
+
+    async def open(self) -> LoadedState:
+        return LoadedState(store_id=uuid.uuid4().hex[:12])
+
+    def submit(self, tx: Txn) -> None:
+        for rid in tx.deleted_rollouts:
+            self._spans.pop(rid, None)
+        for rec in tx.spans:
+            per_attempt = self._spans.setdefault(rec.rollout_id, {})
+            bucket = per_attempt.get(rec.attempt_no)
+            if bucket is None:
+                bucket = per_attempt[rec.attempt_no] = []
+            if bucket and bucket[-1].sequence_id > rec.sequence_id:
+                self._unsorted.add((rec.rollout_id, rec.attempt_no))
+            bucket.append(rec)
+        return None
+
+    def _bucket(self, rollout_id: str, attempt_no: int) -> list[SpanRecord]:
+        bucket = self._spans.get(rollout_id, {}).get(attempt_no, [])
+        key = (rollout_id, attempt_no)
+        if key in self._unsorted:
+            bucket.sort(key=lambda r: r.sequence_id)
+            self._unsorted.discard(key)
+        return bucket
+
+    async def query_spans(self, query: SpanQuery) -> list[SpanRecord]:
+        per_attempt = self._spans.get(query.rollout_id, {})
+        numbers = [query.attempt_no] if query.attempt_no else sorted(per_attempt)
+        out: list[SpanRecord] = []
+        after_no, after_seq = query.after
+        for no in numbers:
+            if no < after_no:
+                continue
+            for rec in self._bucket(query.rollout_id, no):
+                if no == after_no and rec.sequence_id <= after_seq:
+                    continue
+                if query.matches(rec):
+                    out.append(rec)
+                    if len(out) >= query.limit:
+                        return out
+        return out
+
+    def load_span_ids(self, rollout_id: str, attempt_no: int) -> dict[str, int]:
+        return {r.span_id: r.sequence_id for r in self._spans.get(rollout_id, {}).get(attempt_no, [])}
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,46 @@
+"""Opaque page tokens: a position plus a hash of the filters it belongs to."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from typing import Any
+
+from lightning_grpc.errors import InvalidArgumentError
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+def filter_hash(*parts: Any) -> str:
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def make_token(position: Any, filters: str) -> str:
+    raw = json.dumps({"p": position, "f": filters}, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def read_token(token: str, filters: str, field: str = "page_token") -> Any:
+    """The position a token points at; INVALID_ARGUMENT when it is malformed or belongs to other filters."""
+    if not token:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        data = json.loads(raw)
+        position, token_filters = data["p"], data["f"]
+    except Exception:
+        raise InvalidArgumentError(field, "is not a page token this store issued") from None
+    if token_filters != filters:
+        raise InvalidArgumentError(field, "was issued for a request with other filters")
+    return position
+
+
+def page_size(value: int, default: int = DEFAULT_PAGE_SIZE, maximum: int = MAX_PAGE_SIZE) -> int:
+    if value < 0:
+        raise InvalidArgumentError("page_size", f"must not be negative (got {value})")
+    if value == 0:
+        return default
+    return min(value, maximum)

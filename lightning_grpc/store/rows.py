@@ -1,0 +1,262 @@
+"""Domain objects <-> flat rows (JSON text for the free-form parts). Used by the SQLite backend."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lightning_grpc.types import (
+    LLM,
+    Attempt,
+    AttemptStatus,
+    JsonResource,
+    PromptTemplate,
+    ProxyLLM,
+    Resource,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    RolloutStatus,
+    Worker,
+    WorkerStatus,
+)
+
+from .state import AttemptState, ResourcesState, RolloutState, WorkerState
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def config_to_dict(config: RolloutConfig) -> dict[str, Any]:
+    return {
+        "timeout": config.timeout,
+        "unresponsive_timeout": config.unresponsive_timeout,
+        "max_attempts": config.max_attempts,
+        "retry_on": [int(s) for s in config.retry_on],
+    }
+
+
+def config_from_dict(data: dict[str, Any]) -> RolloutConfig:
+    return RolloutConfig(
+        timeout=data.get("timeout"),
+        unresponsive_timeout=data.get("unresponsive_timeout"),
+        max_attempts=int(data.get("max_attempts", 1)),
+        retry_on=tuple(AttemptStatus(s) for s in data.get("retry_on", ())),
+    )
+
+
+def attempt_row(state: AttemptState) -> dict[str, Any]:
+    a = state.attempt
+    return {
+        "attempt_id": a.attempt_id,
+        "rollout_id": a.rollout_id,
+        "sequence_number": a.sequence_number,
+        "status": int(a.status),
+        "worker_id": a.worker_id,
+        "start_time": a.start_time,
+        "end_time": a.end_time,
+        "last_heartbeat_time": a.last_heartbeat_time,
+        "status_message": a.status_message,
+        "metadata": dumps(a.metadata),
+        "next_sequence_id": state.next_sequence_id,
+        "span_count": state.span_count,
+        "request_id": state.request_id,
+    }
+
+
+def attempt_from_row(row: dict[str, Any]) -> AttemptState:
+    attempt = Attempt(
+        rollout_id=row["rollout_id"],
+        attempt_id=row["attempt_id"],
+        sequence_number=row["sequence_number"],
+        status=AttemptStatus(row["status"]),
+        worker_id=row["worker_id"],
+        start_time=row["start_time"],
+        end_time=row["end_time"],
+        last_heartbeat_time=row["last_heartbeat_time"],
+        status_message=row["status_message"],
+        metadata=json.loads(row["metadata"]),
+    )
+    return AttemptState(
+        attempt=attempt,
+        next_sequence_id=row["next_sequence_id"],
+        span_count=row["span_count"],
+        request_id=row["request_id"],
+    )
+
+
+def rollout_dict(r: Rollout) -> dict[str, Any]:
+    """The JSON form of a rollout snapshot (with its latest attempt), for the change log."""
+    return {
+        "rollout_id": r.rollout_id,
+        "input": r.input,
+        "mode": int(r.mode),
+        "resources_id": r.resources_id,
+        "group_id": r.group_id,
+        "status": int(r.status),
+        "config": config_to_dict(r.config),
+        "metadata": r.metadata,
+        "create_time": r.create_time,
+        "start_time": r.start_time,
+        "end_time": r.end_time,
+        "attempt_count": r.attempt_count,
+        "status_message": r.status_message,
+        "latest_attempt": attempt_row(AttemptState(r.latest_attempt)) if r.latest_attempt else None,
+    }
+
+
+def rollout_from_dict(d: dict[str, Any]) -> Rollout:
+    latest = d.get("latest_attempt")
+    if isinstance(latest, dict) and isinstance(latest.get("metadata"), str):
+        latest_attempt: Attempt | None = attempt_from_row(latest).attempt
+    else:
+        latest_attempt = None
+    return Rollout(
+        rollout_id=d["rollout_id"],
+        input=d["input"],
+        mode=RolloutMode(d["mode"]),
+        resources_id=d["resources_id"],
+        group_id=d["group_id"],
+        status=RolloutStatus(d["status"]),
+        config=config_from_dict(d["config"]),
+        metadata=d["metadata"],
+        create_time=d["create_time"],
+        start_time=d["start_time"],
+        end_time=d["end_time"],
+        attempt_count=d["attempt_count"],
+        status_message=d["status_message"],
+        latest_attempt=latest_attempt,
+    )
+
+
+def rollout_row(state: RolloutState) -> dict[str, Any]:
+    r = state.rollout
+    return {
+        "rollout_id": r.rollout_id,
+        "status": int(r.status),
+        "mode": int(r.mode),
+        "group_id": r.group_id,
+        "resources_id": r.resources_id,
+        "create_time": r.create_time,
+        "start_time": r.start_time,
+        "end_time": r.end_time,
+        "attempt_count": r.attempt_count,
+        "status_message": r.status_message,
+        "queue_seq": state.queue_seq,
+        "fingerprint": state.fingerprint,
+        "input": dumps(r.input),
+        "config": dumps(config_to_dict(r.config)),
+        "metadata": dumps(r.metadata),
+    }
+
+
+def rollout_from_row(row: dict[str, Any]) -> RolloutState:
+    rollout = Rollout(
+        rollout_id=row["rollout_id"],
+        input=json.loads(row["input"]),
+        mode=RolloutMode(row["mode"]),
+        resources_id=row["resources_id"],
+        group_id=row["group_id"],
+        status=RolloutStatus(row["status"]),
+        config=config_from_dict(json.loads(row["config"])),
+        metadata=json.loads(row["metadata"]),
+        create_time=row["create_time"],
+        start_time=row["start_time"],
+        end_time=row["end_time"],
+        attempt_count=row["attempt_count"],
+        status_message=row["status_message"],
+    )
+    return RolloutState(rollout=rollout, queue_seq=row["queue_seq"], fingerprint=row["fingerprint"])
+
+
+def worker_row(state: WorkerState) -> dict[str, Any]:
+    w = state.worker
+    return {
+        "worker_id": w.worker_id,
+        "status": int(w.status),
+        "heartbeat_stats": dumps(w.heartbeat_stats),
+        "last_heartbeat_time": w.last_heartbeat_time,
+        "last_dequeue_time": w.last_dequeue_time,
+        "current_rollout_id": w.current_rollout_id,
+        "current_attempt_id": w.current_attempt_id,
+    }
+
+
+def worker_from_row(row: dict[str, Any]) -> WorkerState:
+    return WorkerState(
+        Worker(
+            worker_id=row["worker_id"],
+            status=WorkerStatus(row["status"]),
+            heartbeat_stats=json.loads(row["heartbeat_stats"]),
+            last_heartbeat_time=row["last_heartbeat_time"],
+            last_dequeue_time=row["last_dequeue_time"],
+            current_rollout_id=row["current_rollout_id"],
+            current_attempt_id=row["current_attempt_id"],
+        )
+    )
+
+
+def resource_to_dict(resource: Resource) -> dict[str, Any]:
+    if isinstance(resource, LLM):
+        return {"type": "llm", **_endpoint_fields(resource)}
+    if isinstance(resource, ProxyLLM):
+        return {"type": "proxy_llm", **_endpoint_fields(resource)}
+    if isinstance(resource, PromptTemplate):
+        return {"type": "prompt_template", "template": resource.template, "engine": resource.engine}
+    return {"type": "json", "value": resource.value}
+
+
+def _endpoint_fields(r: LLM | ProxyLLM) -> dict[str, Any]:
+    return {
+        "endpoint": r.endpoint,
+        "model": r.model,
+        "api_key": r.api_key,
+        "sampling_parameters": r.sampling_parameters,
+    }
+
+
+def resource_from_dict(d: dict[str, Any]) -> Resource:
+    kind = d["type"]
+    if kind in ("llm", "proxy_llm"):
+        cls = LLM if kind == "llm" else ProxyLLM
+        return cls(
+            endpoint=d["endpoint"],
+            model=d["model"],
+            api_key=d.get("api_key", ""),
+            sampling_parameters=d.get("sampling_parameters", {}),
+        )
+    if kind == "prompt_template":
+        return PromptTemplate(template=d["template"], engine=d["engine"])
+    return JsonResource(value=d["value"])
+
+
+def resources_body(resources: dict[str, Resource]) -> str:
+    return json.dumps({k: resource_to_dict(v) for k, v in resources.items()}, sort_keys=True)
+
+
+def resources_row(state: ResourcesState) -> dict[str, Any]:
+    r = state.resources
+    return {
+        "resources_id": r.resources_id,
+        "version": r.version,
+        "create_time": r.create_time,
+        "update_time": r.update_time,
+        "body": resources_body(r.resources),
+        "fingerprint": state.fingerprint,
+    }
+
+
+def resources_from_row(row: dict[str, Any]) -> ResourcesState:
+    body = json.loads(row["body"])
+    return ResourcesState(
+        ResourcesUpdate(
+            resources_id=row["resources_id"],
+            version=row["version"],
+            resources={k: resource_from_dict(v) for k, v in body.items()},
+            create_time=row["create_time"],
+            update_time=row["update_time"],
+        ),
+        fingerprint=row["fingerprint"],
+    )

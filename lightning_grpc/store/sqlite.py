@@ -1,0 +1,390 @@
+"""The durable backend: SQLite through sqlite-utils, WAL, synchronous=NORMAL, one writer thread.
+
+The writer drains every change submitted while it was busy and commits them together (group
+commit); each submitter's future resolves only after that commit, so an acknowledged write
+survives a crash of the server process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import sqlite3
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+from sqlite_utils import Migrations
+
+from . import rows
+from .backend import SpanQuery
+from .state import Change, LoadedState, SpanRecord, Txn
+
+log = logging.getLogger("lightning_grpc.store.sqlite")
+
+migrations = Migrations("lightning_grpc.store")
+
+
+@migrations(name="0001_initial")
+def _initial_schema(db: sqlite_utils.Database) -> None:
+    table = db.table
+    table("meta").create({"key": str, "value": str}, pk="key")
+    table("rollouts").create(
+        {
+            "rollout_id": str,
+            "status": int,
+            "mode": int,
+            "group_id": str,
+            "resources_id": str,
+            "create_time": float,
+            "start_time": float,
+            "end_time": float,
+            "attempt_count": int,
+            "status_message": str,
+            "queue_seq": int,
+            "fingerprint": str,
+            "input": str,
+            "config": str,
+            "metadata": str,
+        },
+        pk="rollout_id",
+    )
+    table("attempts").create(
+        {
+            "attempt_id": str,
+            "rollout_id": str,
+            "sequence_number": int,
+            "status": int,
+            "worker_id": str,
+            "start_time": float,
+            "end_time": float,
+            "last_heartbeat_time": float,
+            "status_message": str,
+            "metadata": str,
+            "next_sequence_id": int,
+            "span_count": int,
+            "request_id": str,
+        },
+        pk="attempt_id",
+    )
+    table("attempts").create_index(["rollout_id", "sequence_number"], unique=True)
+    table("spans").create(
+        {
+            "rollout_id": str,
+            "attempt_id": str,
+            "attempt_no": int,
+            "sequence_id": int,
+            "span_id": str,
+            "trace_id": str,
+            "parent_span_id": str,
+            "name": str,
+            "start_ns": int,
+            "end_ns": int,
+            "body": bytes,
+        }
+    )
+    table("spans").create_index(["rollout_id", "attempt_no", "sequence_id"], unique=True)
+    table("workers").create(
+        {
+            "worker_id": str,
+            "status": int,
+            "heartbeat_stats": str,
+            "last_heartbeat_time": float,
+            "last_dequeue_time": float,
+            "current_rollout_id": str,
+            "current_attempt_id": str,
+        },
+        pk="worker_id",
+    )
+    table("resources").create(
+        {
+            "resources_id": str,
+            "version": int,
+            "create_time": float,
+            "update_time": float,
+            "body": str,
+            "fingerprint": str,
+        },
+        pk="resources_id",
+    )
+    table("changes").create({"revision": int, "rollout_id": str, "body": str}, pk="revision")
+
+
+_SPAN_INSERT = (
+    "INSERT INTO spans (rollout_id, attempt_id, attempt_no, sequence_id, span_id, trace_id,"
+    " parent_span_id, name, start_ns, end_ns, body) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+)
+
+
+def _upsert_sql(table: str, columns: list[str]) -> str:
+    cols = ", ".join(columns)
+    marks = ", ".join("?" for _ in columns)
+    return f"INSERT OR REPLACE INTO {table} ({cols}) VALUES ({marks})"
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA busy_timeout=30000")
+    return conn
+
+
+class SqliteBackend:
+    """Durable storage in one SQLite file."""
+
+    name = "sqlite"
+    in_memory = False
+
+    def __init__(self, path: str | Path, *, change_retention: int = 10_000) -> None:
+        self.path = Path(path)
+        self.change_retention = change_retention
+        self._queue: queue.Queue[tuple[list[tuple[str, Any]], asyncio.Future[None]] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lightning-sqlite-read")
+        self._local = threading.local()
+        self._index_conn: sqlite3.Connection | None = None
+        self._write_conn: sqlite3.Connection | None = None
+        self._last_pruned = 0
+
+    # ---------------------------------------------------------------- start-up
+    async def open(self) -> LoadedState:
+        self._loop = asyncio.get_running_loop()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = _connect(self.path)
+        db = sqlite_utils.Database(conn)
+        db.enable_wal()
+        conn.execute("PRAGMA synchronous=NORMAL")
+        migrations.apply(db)
+        self._write_conn = conn
+        state = self._load(db)
+        self._index_conn = _connect(self.path)
+        self._writer = threading.Thread(target=self._write_loop, name="lightning-sqlite-writer", daemon=True)
+        self._writer.start()
+        log.info(
+            "event=sqlite_opened path=%s rollouts=%d spans=%d",
+            self.path,
+            len(state.rollouts),
+            state.total_spans,
+        )
+        return state
+
+    def _load(self, db: sqlite_utils.Database) -> LoadedState:
+        meta = {r["key"]: r["value"] for r in db["meta"].rows}
+        store_id = meta.get("store_id")
+        if not store_id:
+            store_id = uuid.uuid4().hex[:12]
+            with db.conn:
+                db.conn.execute(
+                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('store_id', ?)", (store_id,)
+                )
+        state = LoadedState(store_id=store_id, latest_resources_id=meta.get("latest_resources_id", ""))
+        by_id = {}
+        for row in db.query("SELECT * FROM rollouts ORDER BY create_time, rowid"):
+            rs = rows.rollout_from_row(row)
+            by_id[rs.rollout.rollout_id] = rs
+            state.rollouts.append(rs)
+        for row in db.query("SELECT * FROM attempts ORDER BY rollout_id, sequence_number"):
+            ast = rows.attempt_from_row(row)
+            owner = by_id.get(ast.attempt.rollout_id)
+            if owner is not None:
+                owner.attempts.append(ast)
+        for rs in state.rollouts:
+            if rs.attempts:
+                rs.rollout.latest_attempt = rs.attempts[-1].attempt
+        state.workers = [rows.worker_from_row(r) for r in db.query("SELECT * FROM workers")]
+        state.resources = [
+            rows.resources_from_row(r) for r in db.query("SELECT * FROM resources ORDER BY create_time")
+        ]
+        for row in db.query(
+            "SELECT revision, body FROM changes ORDER BY revision DESC LIMIT ?", [self.change_retention]
+        ):
+            state.changes.append(Change(row["revision"], rows.rollout_from_dict(_json_loads(row["body"]))))
+        state.changes.reverse()
+        state.revision = int(meta.get("revision", "0"))
+        if state.changes:
+            state.revision = max(state.revision, state.changes[-1].revision)
+        state.total_spans = sum(a.span_count for rs in state.rollouts for a in rs.attempts)
+        return state
+
+    # ---------------------------------------------------------------- writes
+    def submit(self, tx: Txn) -> asyncio.Future[None]:
+        """Snapshot the changed rows now (on the event loop) and hand them to the writer."""
+        assert self._loop is not None
+        ops: list[tuple[str, Any]] = []
+        if tx.deleted_rollouts:
+            ops.append(("delete", list(tx.deleted_rollouts)))
+        if tx.rollouts:
+            ops.append(("rollouts", [rows.rollout_row(rs) for rs in tx.rollouts.values()]))
+        if tx.attempts:
+            ops.append(("attempts", [rows.attempt_row(a) for a in tx.attempts.values()]))
+        if tx.workers:
+            ops.append(("workers", [rows.worker_row(w) for w in tx.workers.values()]))
+        if tx.resources:
+            ops.append(("resources", [rows.resources_row(r) for r in tx.resources.values()]))
+        if tx.spans:
+            ops.append(
+                (
+                    "spans",
+                    [
+                        (
+                            s.rollout_id,
+                            s.attempt_id,
+                            s.attempt_no,
+                            s.sequence_id,
+                            s.span_id,
+                            s.trace_id,
+                            s.parent_span_id,
+                            s.name,
+                            s.start_time_unix_nano,
+                            s.end_time_unix_nano,
+                            s.body,
+                        )
+                        for s in tx.spans
+                    ],
+                )
+            )
+        if tx.changes:
+            ops.append(
+                (
+                    "changes",
+                    [
+                        (c.revision, c.rollout.rollout_id, rows.dumps(rows.rollout_dict(c.rollout)))
+                        for c in tx.changes
+                    ],
+                )
+            )
+            tx.meta["revision"] = str(tx.changes[-1].revision)
+        if tx.meta:
+            ops.append(("meta", list(tx.meta.items())))
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._queue.put((ops, fut))
+        return fut
+
+    def _write_loop(self) -> None:
+        conn = self._write_conn
+        assert conn is not None
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            if item is None:
+                break
+            batch = [item]
+            while len(batch) < 512:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            error: BaseException | None = None
+            try:
+                with conn:
+                    for ops, _ in batch:
+                        self._apply(conn, ops)
+            except BaseException as exc:  # resolve every waiter, then keep serving
+                log.error("event=sqlite_commit_failed error=%r", exc)
+                error = exc
+            assert self._loop is not None
+            for _, fut in batch:
+                self._loop.call_soon_threadsafe(_resolve, fut, error)
+        conn.close()
+
+    def _apply(self, conn: sqlite3.Connection, ops: list[tuple[str, Any]]) -> None:
+        for kind, payload in ops:
+            if kind == "spans":
+                conn.executemany(_SPAN_INSERT, payload)
+            elif kind in ("rollouts", "attempts", "workers", "resources"):
+                columns = list(payload[0])
+                conn.executemany(_upsert_sql(kind, columns), [tuple(r[c] for c in columns) for r in payload])
+            elif kind == "changes":
+                conn.executemany(
+                    "INSERT OR REPLACE INTO changes (revision, rollout_id, body) VALUES (?,?,?)", payload
+                )
+                last = payload[-1][0]
+                if last - self._last_pruned >= 1000:
+                    conn.execute("DELETE FROM changes WHERE revision <= ?", (last - self.change_retention,))
+                    self._last_pruned = last
+            elif kind == "meta":
+                conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", payload)
+            elif kind == "delete":
+                ids = [(rid,) for rid in payload]
+                conn.executemany("DELETE FROM spans WHERE rollout_id = ?", ids)
+                conn.executemany("DELETE FROM attempts WHERE rollout_id = ?", ids)
+                conn.executemany("DELETE FROM rollouts WHERE rollout_id = ?", ids)
+
+    # ---------------------------------------------------------------- reads
+    def _reader(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = _connect(self.path)
+        return conn
+
+    async def query_spans(self, query: SpanQuery) -> list[SpanRecord]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._readers, self._query_spans, query)
+
+    def _query_spans(self, q: SpanQuery) -> list[SpanRecord]:
+        where = ["rollout_id = ?", "(attempt_no, sequence_id) > (?, ?)"]
+        params: list[Any] = [q.rollout_id, q.after[0], q.after[1]]
+        if q.attempt_no:
+            where.append("attempt_no = ?")
+            params.append(q.attempt_no)
+        for column, value in (
+            ("trace_id", q.trace_id),
+            ("span_id", q.span_id),
+            ("parent_span_id", q.parent_span_id),
+            ("name", q.name),
+        ):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if q.name_contains:
+            where.append("instr(name, ?) > 0")
+            params.append(q.name_contains)
+        sql = (
+            "SELECT rollout_id, attempt_id, span_id, trace_id, parent_span_id, name, start_ns, end_ns, body,"
+            " sequence_id, attempt_no FROM spans WHERE "
+            + " AND ".join(where)
+            + " ORDER BY attempt_no, sequence_id LIMIT ?"
+        )
+        params.append(q.limit)
+        return [SpanRecord(*row) for row in self._reader().execute(sql, params)]
+
+    def load_span_ids(self, rollout_id: str, attempt_no: int) -> dict[str, int]:
+        assert self._index_conn is not None
+        cur = self._index_conn.execute(
+            "SELECT span_id, sequence_id FROM spans WHERE rollout_id = ? AND attempt_no = ?",
+            (rollout_id, attempt_no),
+        )
+        return dict(cur.fetchall())
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._queue.put(None)
+            await asyncio.get_running_loop().run_in_executor(None, self._writer.join)
+            self._writer = None
+        self._readers.shutdown(wait=True)
+        if self._index_conn is not None:
+            self._index_conn.close()
+            self._index_conn = None
+        log.info("event=sqlite_closed path=%s", self.path)
+
+
+def _json_loads(text: str) -> Any:
+    return json.loads(text)
+
+
+def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

@@ -1,0 +1,1 @@
+"""Generated stubs of the lightning.v1 contract (scripts/gen_protos.py; do not edit)."""
