@@ -33,8 +33,11 @@ def _enum(kind: type[T], value: Any) -> T:
         try:
             return kind[value.upper()]  # type: ignore[index,no-any-return]
         except KeyError:
-            raise InvalidArgumentError("status", f"{value!r} is not a {kind.__name__}") from None
-    return kind(value)  # type: ignore[call-arg]
+            raise InvalidArgumentError(kind.__name__, f"{value!r} is not a {kind.__name__}") from None
+    try:
+        return kind(value)  # type: ignore[call-arg]
+    except ValueError:
+        return value  # type: ignore[no-any-return]  # an unknown number: the server answers INVALID_ARGUMENT
 
 
 @dataclass

@@ -1,0 +1,584 @@
+"""Store semantics (DESIGN section 3) over real gRPC, on both backends.
+
+Each test of a known weakness of the reference store says which one it shows fixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from lightning_grpc.client import StoreClient
+from lightning_grpc.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from lightning_grpc.types import AttemptStatus, RolloutConfig, RolloutStatus, WorkerStatus
+from tests.helpers import make_span, make_spans
+
+RETRY_ALL = (AttemptStatus.FAILED, AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE)
+
+
+async def claim(client: StoreClient, worker: str = "w1", **spec: object) -> tuple[str, str]:
+    r = await client.enqueue_rollout({"task": 1}, **spec)
+    d = await client.dequeue_rollout(worker_id=worker)
+    assert d is not None and d.rollout_id == r.rollout_id and d.latest_attempt is not None
+    return d.rollout_id, d.latest_attempt.attempt_id
+
+
+# ------------------------------------------------------------------ terminal is final, fencing
+
+
+async def test_cancel_is_sticky_a_stale_success_report_is_refused(client: StoreClient) -> None:
+    # Reference 3.5: cancel, then the runner reports success -> the rollout became SUCCEEDED.
+    rid, aid = await claim(client)
+    await client.cancel_rollout(rid, "operator stop")
+    with pytest.raises(FailedPreconditionError) as err:
+        await client.complete_attempt(rid, aid, "succeeded")
+    assert err.value.reason == "ATTEMPT_ALREADY_ENDED"
+    r = await client.get_rollout(rid)
+    assert r.status == RolloutStatus.CANCELLED
+    assert r.latest_attempt is not None and r.latest_attempt.status == AttemptStatus.CANCELLED
+    assert r.end_time is not None and r.latest_attempt.end_time is not None
+    assert r.status_message == "operator stop"
+
+
+async def test_a_timed_out_rollout_stays_failed_when_the_stale_runner_reports(client: StoreClient) -> None:
+    # Reference 3.5: a rollout failed by timeout flipped to SUCCEEDED on a late report.
+    rid, aid = await claim(client, config=RolloutConfig(timeout=0.2))
+    done = await client.wait_for_rollouts([rid], timeout=3)
+    assert [r.status for r in done] == [RolloutStatus.FAILED]
+    with pytest.raises(FailedPreconditionError):
+        await client.complete_attempt(rid, aid, "succeeded")
+    r = await client.get_rollout(rid)
+    assert r.status == RolloutStatus.FAILED
+    assert r.latest_attempt is not None and r.latest_attempt.status == AttemptStatus.TIMEOUT
+
+
+async def test_start_attempt_cannot_revive_a_finished_rollout(client: StoreClient) -> None:
+    # Reference 12.1: start_attempt forced a SUCCEEDED rollout back to PREPARING.
+    rid, aid = await claim(client)
+    await client.complete_attempt(rid, aid, "succeeded")
+    with pytest.raises(FailedPreconditionError) as err:
+        await client.start_attempt(rid)
+    assert err.value.reason == "ROLLOUT_FINISHED"
+    assert (await client.get_rollout(rid)).status == RolloutStatus.SUCCEEDED
+
+
+async def test_start_attempt_refuses_while_an_attempt_is_active_and_claims_a_queued_rollout(
+    client: StoreClient,
+) -> None:
+    rid, _ = await claim(client)
+    with pytest.raises(FailedPreconditionError) as err:
+        await client.start_attempt(rid)
+    assert err.value.reason == "ATTEMPT_STILL_ACTIVE"
+    queued = await client.enqueue_rollout({"x": 2}, config=RolloutConfig(max_attempts=1))
+    started = await client.start_attempt(queued.rollout_id, worker_id="w9")
+    assert started.status == RolloutStatus.PREPARING and started.attempt_count == 1
+    # it left the queue: nobody else can dequeue it (the reference left a dead queue entry)
+    assert await client.dequeue_rollout() is None
+
+
+async def test_a_superseded_attempt_cannot_move_the_rollout_but_its_spans_are_kept(
+    client: StoreClient,
+) -> None:
+    # Reference 3.4/3.5: spans revived an old attempt; an old attempt's report was silently lost.
+    cfg = RolloutConfig(unresponsive_timeout=0.3, max_attempts=2, retry_on=RETRY_ALL)
+    rid, first = await claim(client, config=cfg)
+    await asyncio.sleep(1.0)
+    retry = await client.dequeue_rollout(worker_id="w2")
+    assert retry is not None and retry.rollout_id == rid and retry.latest_attempt is not None
+    second = retry.latest_attempt.attempt_id
+    assert second != first
+    late = await client.add_spans(make_spans(2, "late"), rollout_id=rid, attempt_id=first)
+    assert late.stored_count == 2
+    with pytest.raises(FailedPreconditionError):
+        await client.complete_attempt(rid, first, "succeeded")
+    attempts = await client.query_attempts(rid)
+    assert [a.status for a in attempts] == [AttemptStatus.UNRESPONSIVE, AttemptStatus.PREPARING]
+    r = await client.get_rollout(rid)
+    assert r.status == RolloutStatus.PREPARING and r.latest_attempt and r.latest_attempt.attempt_id == second
+    assert len(await client.query_spans(rid, first)) == 2
+    await client.complete_attempt(rid, second, "succeeded")
+    assert (await client.get_rollout(rid)).status == RolloutStatus.SUCCEEDED
+
+
+async def test_completing_twice_with_the_same_outcome_is_idempotent(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    a1, r1 = await client.complete_attempt(rid, aid, "failed", "boom")
+    a2, r2 = await client.complete_attempt(rid, aid, "failed", "boom")
+    assert a1.end_time == a2.end_time and r1.status == r2.status == RolloutStatus.FAILED
+    assert r1.status_message == "boom"
+    with pytest.raises(FailedPreconditionError):
+        await client.complete_attempt(rid, aid, "succeeded")
+
+
+async def test_only_succeeded_or_failed_can_be_reported(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    for bad in ("running", "timeout", "cancelled", 0, 99):
+        with pytest.raises(InvalidArgumentError) as err:
+            await client.complete_attempt(rid, aid, bad)
+        assert err.value.field in ("status", "AttemptStatus")
+
+
+async def test_status_is_not_writable_through_update_so_no_orphans(client: StoreClient) -> None:
+    # Reference 3.5: update_rollout(status="running") on a queued rollout made an orphan.
+    from lightning_grpc.v1 import store_service_pb2 as pb
+
+    r = await client.enqueue_rollout({"x": 1})
+    request = pb.UpdateRolloutRequest(rollout_id=r.rollout_id)
+    request.update_mask.paths.append("status")
+    with pytest.raises(InvalidArgumentError) as err:
+        await client._call("UpdateRollout", request)
+    assert err.value.field == "update_mask"
+    assert (await client.get_rollout(r.rollout_id)).status == RolloutStatus.QUEUING
+    assert (await client.dequeue_rollout()) is not None
+
+
+# ------------------------------------------------------------------ every ended attempt has an end time
+
+
+async def test_every_ended_attempt_has_an_end_time(client: StoreClient) -> None:
+    ended = []
+    rid, aid = await claim(client)
+    ended.append((await client.complete_attempt(rid, aid, "succeeded"))[0])
+    rid, aid = await claim(client)
+    ended.append((await client.complete_attempt(rid, aid, "failed", "x"))[0])
+    rid, aid = await claim(client)
+    await client.cancel_rollout(rid)
+    ended += await client.query_attempts(rid)
+    rid, _ = await claim(client, config=RolloutConfig(timeout=0.2))
+    rid2, _ = await claim(client, config=RolloutConfig(unresponsive_timeout=0.2))
+    await client.wait_for_rollouts([rid, rid2], timeout=3)
+    ended += await client.query_attempts(rid) + await client.query_attempts(rid2)
+    assert {a.status for a in ended} == {
+        AttemptStatus.SUCCEEDED,
+        AttemptStatus.FAILED,
+        AttemptStatus.CANCELLED,
+        AttemptStatus.TIMEOUT,
+        AttemptStatus.UNRESPONSIVE,
+    }
+    assert all(a.end_time is not None and a.end_time >= a.start_time for a in ended)
+
+
+# ------------------------------------------------------------------ retries
+
+
+async def test_failed_attempts_are_retried_up_to_max_attempts(client: StoreClient) -> None:
+    cfg = RolloutConfig(max_attempts=3, retry_on=(AttemptStatus.FAILED,))
+    r = await client.enqueue_rollout({"x": 1}, config=cfg)
+    for n in (1, 2, 3):
+        d = await client.dequeue_rollout(worker_id="w")
+        assert d is not None and d.rollout_id == r.rollout_id and d.latest_attempt is not None
+        assert d.latest_attempt.sequence_number == n
+        _, after = await client.complete_attempt(
+            d.rollout_id, d.latest_attempt.attempt_id, "failed", f"try {n}"
+        )
+        assert after.status == (RolloutStatus.REQUEUING if n < 3 else RolloutStatus.FAILED)
+    final = await client.get_rollout(r.rollout_id)
+    assert final.status_message == "try 3" and final.end_time is not None
+    assert await client.dequeue_rollout() is None
+
+
+async def test_a_status_not_in_retry_on_fails_the_rollout_at_once(client: StoreClient) -> None:
+    cfg = RolloutConfig(max_attempts=5, retry_on=(AttemptStatus.TIMEOUT,))
+    rid, aid = await claim(client, config=cfg)
+    _, r = await client.complete_attempt(rid, aid, "failed", "bad input")
+    assert r.status == RolloutStatus.FAILED
+
+
+# ------------------------------------------------------------------ the watchdog runs on timers
+
+
+async def test_timeout_fires_within_a_second_with_no_client_calls(client: StoreClient) -> None:
+    cfg = RolloutConfig(timeout=0.4, max_attempts=2, retry_on=(AttemptStatus.TIMEOUT,))
+    rid, _ = await claim(client, config=cfg)
+    await asyncio.sleep(1.6)  # nobody calls the store meanwhile
+    attempts = await client.query_attempts(rid)
+    first = attempts[0]
+    assert first.status == AttemptStatus.TIMEOUT and first.end_time is not None
+    assert 0 <= first.end_time - (first.start_time + 0.4) < 1.0
+    assert (await client.get_rollout(rid)).status == RolloutStatus.REQUEUING
+
+
+async def test_heartbeats_and_spans_both_keep_an_attempt_alive(client: StoreClient) -> None:
+    cfg = RolloutConfig(unresponsive_timeout=0.5)
+    rid_hb, aid_hb = await claim(client, config=cfg)
+    rid_sp, aid_sp = await claim(client, worker="w2", config=cfg)
+    for _ in range(8):  # 1.6 s, three times the silence limit
+        await asyncio.sleep(0.2)
+        hb = await client.heartbeat_attempt(rid_hb, aid_hb)
+        assert not hb.should_stop
+        await client.add_spans([make_span()], rollout_id=rid_sp, attempt_id=aid_sp)
+    assert (await client.get_rollout(rid_hb)).status == RolloutStatus.RUNNING
+    assert (await client.get_rollout(rid_sp)).status == RolloutStatus.RUNNING
+    await asyncio.sleep(1.3)
+    for rid in (rid_hb, rid_sp):
+        r = await client.get_rollout(rid)
+        assert r.status == RolloutStatus.FAILED
+        assert r.latest_attempt is not None and r.latest_attempt.status == AttemptStatus.UNRESPONSIVE
+        silence = r.latest_attempt.end_time - r.latest_attempt.last_heartbeat_time  # type: ignore[operator]
+        assert 0.5 <= silence < 1.5
+
+
+async def test_worker_heartbeats_do_not_keep_an_attempt_alive(client: StoreClient) -> None:
+    rid, _ = await claim(client, config=RolloutConfig(unresponsive_timeout=0.3))
+    for _ in range(5):
+        await client.update_worker("w1", {"cpu": 1})
+        await asyncio.sleep(0.15)
+    await asyncio.sleep(0.5)
+    assert (await client.get_rollout(rid)).status == RolloutStatus.FAILED
+
+
+# ------------------------------------------------------------------ cancellation reaches the runner
+
+
+async def test_cancellation_reaches_the_runner_through_its_heartbeat(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    assert not (await client.heartbeat_attempt(rid, aid)).should_stop
+    await client.cancel_rollout(rid, "stop")
+    hb = await client.heartbeat_attempt(rid, aid)
+    assert hb.cancelled and hb.should_stop
+    assert hb.attempt.status == AttemptStatus.CANCELLED and hb.rollout_status == RolloutStatus.CANCELLED
+    again = await client.cancel_rollout(rid)  # idempotent
+    assert again.status == RolloutStatus.CANCELLED
+
+
+async def test_cancelling_a_queued_rollout_takes_it_off_the_queue(client: StoreClient) -> None:
+    a = await client.enqueue_rollout({"n": 1})
+    b = await client.enqueue_rollout({"n": 2})
+    await client.cancel_rollout(a.rollout_id)
+    d = await client.dequeue_rollout()
+    assert d is not None and d.rollout_id == b.rollout_id
+    assert await client.dequeue_rollout() is None
+
+
+async def test_a_finished_rollout_cannot_be_cancelled(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    await client.complete_attempt(rid, aid, "succeeded")
+    with pytest.raises(FailedPreconditionError) as err:
+        await client.cancel_rollout(rid)
+    assert err.value.reason == "ROLLOUT_FINISHED"
+
+
+async def test_heartbeat_of_a_timed_out_attempt_tells_the_runner_to_stop(client: StoreClient) -> None:
+    rid, aid = await claim(client, config=RolloutConfig(timeout=0.2))
+    await asyncio.sleep(0.8)
+    hb = await client.heartbeat_attempt(rid, aid)
+    assert hb.should_stop and not hb.cancelled and hb.attempt.status == AttemptStatus.TIMEOUT
+
+
+# ------------------------------------------------------------------ dequeue
+
+
+async def test_dequeue_is_fifo_and_claims_with_an_attempt_in_one_step(client: StoreClient) -> None:
+    ids = [r.rollout_id for r in await client.enqueue_rollouts([{"input": i} for i in range(5)])]
+    got = await client.dequeue_rollouts(3, worker_id="w")
+    assert [r.rollout_id for r in got] == ids[:3]
+    for r in got:
+        assert r.status == RolloutStatus.PREPARING and r.latest_attempt is not None
+        assert r.latest_attempt.status == AttemptStatus.PREPARING and r.latest_attempt.worker_id == "w"
+    rest = await client.dequeue_rollouts(10)
+    assert [r.rollout_id for r in rest] == ids[3:]
+
+
+async def test_dequeue_long_polls_until_a_rollout_arrives(client: StoreClient) -> None:
+    async def enqueue_later() -> str:
+        await asyncio.sleep(0.3)
+        return (await client.enqueue_rollout({"late": True})).rollout_id
+
+    t0 = time.monotonic()
+    task = asyncio.create_task(enqueue_later())
+    got = await client.dequeue_rollout(worker_id="w", wait=5)
+    waited = time.monotonic() - t0
+    assert got is not None and got.rollout_id == await task
+    assert 0.25 <= waited < 2.0
+    t0 = time.monotonic()
+    assert await client.dequeue_rollout(wait=0.4) is None
+    assert 0.35 <= time.monotonic() - t0 < 2.0
+
+
+async def test_concurrent_dequeues_never_claim_a_rollout_twice(client: StoreClient) -> None:
+    enqueued = await client.enqueue_rollouts([{"input": i} for i in range(20)])
+    results = await asyncio.gather(*(client.dequeue_rollout(worker_id=f"w{i}") for i in range(30)))
+    claimed = [r.rollout_id for r in results if r is not None]
+    assert sorted(claimed) == sorted(r.rollout_id for r in enqueued)
+    assert results.count(None) == 10
+
+
+async def test_a_retried_dequeue_request_returns_what_the_first_call_claimed(client: StoreClient) -> None:
+    from lightning_grpc.v1 import store_service_pb2 as pb
+
+    await client.enqueue_rollouts([{"input": i} for i in range(3)])
+    request = pb.DequeueRolloutsRequest(worker_id="w", max_rollouts=2, request_id="req-1")
+    first = await client._call("DequeueRollouts", request)
+    retry = await client._call("DequeueRollouts", request)
+    assert [r.rollout_id for r in retry.rollouts] == [r.rollout_id for r in first.rollouts]
+    assert [r.latest_attempt.attempt_id for r in retry.rollouts] == [
+        r.latest_attempt.attempt_id for r in first.rollouts
+    ]
+    assert len(await client.dequeue_rollouts(10)) == 1
+
+
+# ------------------------------------------------------------------ spans
+
+
+async def test_sequence_ids_are_assigned_increasing_and_unique_per_attempt(client: StoreClient) -> None:
+    rid, aid = await claim(client, config=RolloutConfig(max_attempts=2, retry_on=RETRY_ALL))
+    first = await client.add_spans(make_spans(5), rollout_id=rid, attempt_id=aid)
+    second = await client.add_spans(make_spans(3), rollout_id=rid, attempt_id=aid)
+    assert first.sequence_ids + second.sequence_ids == list(range(1, 9))
+    await client.complete_attempt(rid, aid, "failed", "retry me")
+    retry = await client.dequeue_rollout()
+    assert retry is not None and retry.latest_attempt is not None
+    other = await client.add_spans(make_spans(2), rollout_id=rid, attempt_id=retry.latest_attempt.attempt_id)
+    assert other.sequence_ids == [1, 2]
+
+
+async def test_resending_a_batch_stores_nothing_twice(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    batch = make_spans(10)
+    a = await client.add_spans(batch, rollout_id=rid, attempt_id=aid)
+    b = await client.add_spans(batch + make_spans(2), rollout_id=rid, attempt_id=aid)
+    assert (a.stored_count, a.duplicate_count) == (10, 0)
+    assert (b.stored_count, b.duplicate_count) == (2, 10)
+    assert b.sequence_ids[:10] == a.sequence_ids
+    assert len(await client.query_spans(rid)) == 12
+    assert (await client.statistics()).total_spans == 12
+
+
+async def test_client_numbered_spans_must_not_reuse_a_sequence_id(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    first = await client.get_next_span_sequence_id(rid, aid, count=10)
+    assert first == 1
+    span = make_span()
+    span.sequence_id = 7
+    assert (await client.add_spans([span], rollout_id=rid, attempt_id=aid)).sequence_ids == [7]
+    clash = make_span()
+    clash.sequence_id = 7
+    with pytest.raises(InvalidArgumentError) as err:
+        await client.add_spans([clash], rollout_id=rid, attempt_id=aid)
+    assert err.value.field == "spans[0].sequence_id"
+    assert (await client.add_spans([make_span()], rollout_id=rid, attempt_id=aid)).sequence_ids == [11]
+
+
+async def test_the_first_span_moves_attempt_and_rollout_to_running(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    await client.add_spans([make_span()], rollout_id=rid, attempt_id=aid)
+    r = await client.get_rollout(rid)
+    assert r.status == RolloutStatus.RUNNING
+    assert r.latest_attempt is not None and r.latest_attempt.status == AttemptStatus.RUNNING
+    assert r.latest_attempt.last_heartbeat_time is not None
+
+
+async def test_spans_to_unknown_ids_and_malformed_spans_are_refused_with_the_field_named(
+    client: StoreClient,
+) -> None:
+    rid, aid = await claim(client)
+    with pytest.raises(NotFoundError) as nf:
+        await client.add_spans([make_span()], rollout_id=rid, attempt_id="at-nope")
+    assert nf.value.reason == "ATTEMPT_NOT_FOUND"
+    other, _ = await claim(client, worker="w2")
+    with pytest.raises(NotFoundError):
+        await client.add_spans([make_span()], rollout_id=other, attempt_id=aid)
+    bad = make_span(span_id="XYZ")
+    with pytest.raises(InvalidArgumentError) as err:
+        await client.add_spans([make_span(), bad], rollout_id=rid, attempt_id=aid)
+    assert err.value.field == "spans[1].span_id"
+    assert await client.query_spans(rid) == []  # nothing of a refused batch was stored
+
+
+async def test_span_attributes_round_trip_with_their_types(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    attrs = {
+        "reward": 0.1 + 0.2,  # float64 exactly
+        "tokens": [151644, 872, 198],
+        "logprobs": [-0.25, -1.5],
+        "text": "héllo",
+        "ok": True,
+        "n": 2**62,
+        "nested": {"a": [1, "x"], "b": None},
+        "raw": b"\x00\x01",
+    }
+    await client.add_spans([make_span("llm", **attrs)], rollout_id=rid, attempt_id=aid)
+    (span,) = await client.query_spans(rid)
+    got = span.attributes
+    assert (
+        got["reward"] == 0.1 + 0.2
+        and got["tokens"] == [151644, 872, 198]
+        and got["logprobs"] == [-0.25, -1.5]
+    )
+    assert got["text"] == "héllo" and got["ok"] is True and got["n"] == 2**62 and got["raw"] == b"\x00\x01"
+    assert got["nested"] == {"a": [1, "x"], "b": None}
+    assert span.rollout_id == rid and span.attempt_id == aid and span.sequence_id == 1
+
+
+async def test_span_queries_select_attempts_filter_and_page(client: StoreClient) -> None:
+    rid, aid = await claim(client, config=RolloutConfig(max_attempts=2, retry_on=RETRY_ALL))
+    trace = "ab" * 16
+    root = make_span("agent", trace_id=trace)
+    child = make_span("openai.chat.completion", trace_id=trace)
+    child.parent_span_id = root.span_id
+    await client.add_spans([root, child, *make_spans(3, "tool")], rollout_id=rid, attempt_id=aid)
+    await client.complete_attempt(rid, aid, "failed", "again")
+    d = await client.dequeue_rollout()
+    assert d is not None and d.latest_attempt is not None
+    aid2 = d.latest_attempt.attempt_id
+    await client.add_spans(make_spans(2, "tool"), rollout_id=rid, attempt_id=aid2)
+    assert len(await client.query_spans(rid)) == 7
+    assert len(await client.query_spans(rid, "latest")) == 2
+    assert len(await client.query_spans(rid, aid)) == 5
+    assert [s.name for s in await client.query_spans(rid, name_contains="chat")] == ["openai.chat.completion"]
+    assert [s.span_id for s in await client.query_spans(rid, parent_span_id=root.span_id)] == [child.span_id]
+    assert len(await client.query_spans(rid, trace_id=trace)) == 2
+    assert len(await client.query_spans(rid, name="tool")) == 5
+    all_spans = await client.query_spans(rid)
+    assert [(s.attempt_id, s.sequence_id) for s in all_spans] == [(aid, i) for i in range(1, 6)] + [
+        (aid2, 1),
+        (aid2, 2),
+    ]
+    from lightning_grpc.v1 import store_service_pb2 as pb
+
+    seen, token = [], ""
+    while True:
+        page = await client._call(
+            "ListSpans",
+            pb.ListSpansRequest(selector=pb.SpanSelector(rollout_id=rid), page_size=3, page_token=token),
+        )
+        seen += [s.span_id for s in page.spans]
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == [s.span_id for s in all_spans]
+    with pytest.raises(NotFoundError):
+        await client.query_spans("ro-unknown")
+
+
+async def test_tail_spans_follows_new_spans(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    await client.add_spans(make_spans(2), rollout_id=rid, attempt_id=aid)
+    got: list[str] = []
+
+    async def follow() -> None:
+        async for batch in client.tail_spans(rid, follow=True):
+            got.extend(s.span_id for s in batch)
+            if len(got) >= 5:
+                return
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.2)
+    late = make_spans(3)
+    await client.add_spans(late, rollout_id=rid, attempt_id=aid)
+    await asyncio.wait_for(task, 5)
+    assert got[2:] == [s.span_id for s in late]
+
+
+# ------------------------------------------------------------------ waiting and watching
+
+
+async def test_wait_for_rollouts_returns_as_soon_as_they_finish(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    other = await client.enqueue_rollout({"never": "runs"})
+
+    async def finish() -> float:
+        await asyncio.sleep(0.3)
+        await client.complete_attempt(rid, aid, "succeeded")
+        return time.monotonic()
+
+    task = asyncio.create_task(finish())
+    done = await client.wait_for_rollouts([rid], timeout=10)
+    finished_at = await task
+    assert [r.rollout_id for r in done] == [rid]
+    assert time.monotonic() - finished_at < 0.5
+    t0 = time.monotonic()
+    partial = await client.wait_for_rollouts([rid, other.rollout_id], timeout=0.3)
+    assert [r.rollout_id for r in partial] == [rid] and time.monotonic() - t0 >= 0.25
+    with pytest.raises(NotFoundError):
+        await client.wait_for_rollouts(["ro-missing"], timeout=0.1)
+
+
+async def test_watch_streams_changes_and_resumes_from_a_token(client: StoreClient) -> None:
+    events: list[tuple[str, RolloutStatus]] = []
+    tokens: list[str] = []
+    first_token = asyncio.get_running_loop().create_future()
+
+    async def watch() -> None:
+        async for ev in client.watch_rollouts(include_progress=True, progress_interval=0.2):
+            if not first_token.done():
+                first_token.set_result(ev.resume_token)
+            if ev.rollout is not None:
+                events.append((ev.rollout.rollout_id, ev.rollout.status))
+                tokens.append(ev.resume_token)
+            if len(events) >= 3:
+                return
+
+    task = asyncio.create_task(watch())
+    start_token = await asyncio.wait_for(first_token, 5)
+    rid, aid = await claim(client)
+    await client.complete_attempt(rid, aid, "succeeded")
+    await asyncio.wait_for(task, 5)
+    assert events == [
+        (rid, RolloutStatus.QUEUING),
+        (rid, RolloutStatus.PREPARING),
+        (rid, RolloutStatus.SUCCEEDED),
+    ]
+    replay = []
+    async for ev in client.watch_rollouts(start_token):
+        assert ev.rollout is not None
+        replay.append((ev.rollout.rollout_id, ev.rollout.status))
+        if len(replay) == 3:
+            break
+    assert replay == events
+    after = []
+    async for ev in client.watch_rollouts(tokens[0], rollout_ids=[rid]):
+        assert ev.rollout is not None
+        after.append(ev.rollout.status)
+        if len(after) == 2:
+            break
+    assert after == [RolloutStatus.PREPARING, RolloutStatus.SUCCEEDED]
+
+
+async def test_watch_sends_progress_messages_and_refuses_bad_tokens(client: StoreClient) -> None:
+    from lightning_grpc.errors import OutOfRangeError
+
+    progress = 0
+    async for ev in client.watch_rollouts(include_progress=True, progress_interval=0.1):
+        assert ev.rollout is None and ev.resume_token
+        progress += 1
+        if progress == 3:
+            break
+    store_id = ev.resume_token.rsplit(".", 1)[0]
+    with pytest.raises(OutOfRangeError) as err:
+        async for _ in client.watch_rollouts(f"{store_id}.999999"):
+            pass
+    assert err.value.reason == "RESUME_TOKEN_EXPIRED"
+    with pytest.raises(OutOfRangeError):
+        async for _ in client.watch_rollouts("other-store.1"):
+            pass
+    with pytest.raises(InvalidArgumentError):
+        async for _ in client.watch_rollouts("garbage"):
+            pass
+
+
+# ------------------------------------------------------------------ workers
+
+
+async def test_worker_status_follows_its_attempts(client: StoreClient) -> None:
+    w = await client.update_worker("w-stats", {"cpu_pct": 12.5, "gpus": [{"util": 3}]})
+    assert w.status == WorkerStatus.UNKNOWN and w.heartbeat_stats["gpus"] == [{"util": 3}]
+    rid, aid = await claim(client, worker="w-stats")
+    busy = await client.get_worker_by_id("w-stats")
+    assert busy is not None and busy.status == WorkerStatus.BUSY and busy.current_attempt_id == aid
+    assert busy.heartbeat_stats["cpu_pct"] == 12.5
+    await client.complete_attempt(rid, aid, "succeeded")
+    idle = await client.get_worker_by_id("w-stats")
+    assert idle is not None and idle.status == WorkerStatus.IDLE and idle.current_attempt_id == ""
+    await claim(client, worker="w-stats", config=RolloutConfig(timeout=0.2))
+    await asyncio.sleep(0.8)
+    lost = await client.get_worker_by_id("w-stats")
+    assert lost is not None and lost.status == WorkerStatus.UNKNOWN
+    assert await client.get_worker_by_id("nobody") is None
+    assert [w.worker_id for w in await client.query_workers(status_in=["unknown"])] == ["w-stats"]
