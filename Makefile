@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto proto-check lint typecheck test pytest demo bench clean
+.PHONY: setup proto proto-check lint breaking typecheck test pytest demo bench clean
 
 setup: $(STAMP)
 
@@ -32,10 +32,16 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-test: lint proto-check typecheck pytest
+test: lint breaking proto-check typecheck pytest
 
 demo: $(STAMP)
 	$(PY) -m lightning_grpc.examples.prompt_search_demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Breaking-change check of the contract against the latest release tag (skipped before the first release).
+breaking: $(STAMP)
+	@tag=$$(git describe --tags --abbrev=0 --match 'v*' 2>/dev/null); \
+	if [ -n "$$tag" ]; then $(BIN)/buf breaking --against ".git#tag=$$tag"; \
+	else echo "buf breaking: no release tag yet, nothing to compare against"; fi

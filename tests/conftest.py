@@ -64,6 +64,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self.lines: list[str] = []
+        self._drainer: threading.Thread | None = None
 
     def _drain(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -88,7 +89,8 @@ class ServerProcess:
             self.lines.append(line)
             if "event=server_started" in line:
                 self.port = int(line.split("address=")[1].split()[0].rsplit(":", 1)[1])
-                threading.Thread(target=self._drain, daemon=True).start()
+                self._drainer = threading.Thread(target=self._drain, daemon=True)
+                self._drainer.start()
                 return self
         raise RuntimeError(f"server did not start: exit={self.proc.poll()}")
 
@@ -104,7 +106,10 @@ class ServerProcess:
     def terminate(self, timeout: float = 20.0) -> int:
         assert self.proc is not None
         self.proc.terminate()
-        return self.proc.wait(timeout)
+        code = self.proc.wait(timeout)
+        if self._drainer is not None:
+            self._drainer.join(5)
+        return code
 
 
 @pytest.fixture

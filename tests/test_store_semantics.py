@@ -582,3 +582,24 @@ async def test_worker_status_follows_its_attempts(client: StoreClient) -> None:
     assert lost is not None and lost.status == WorkerStatus.UNKNOWN
     assert await client.get_worker_by_id("nobody") is None
     assert [w.worker_id for w in await client.query_workers(status_in=["unknown"])] == ["w-stats"]
+
+
+async def test_latest_attempt_follows_retries(client: StoreClient) -> None:
+    r = await client.enqueue_rollout({"x": 1}, config=RolloutConfig(max_attempts=2, retry_on=RETRY_ALL))
+    assert await client.get_latest_attempt(r.rollout_id) is None
+    d = await client.dequeue_rollout(worker_id="w")
+    assert d is not None and d.latest_attempt is not None
+    latest = await client.get_latest_attempt(r.rollout_id)
+    assert latest == d.latest_attempt
+    await client.complete_attempt(r.rollout_id, latest.attempt_id, "failed", "again")
+    d2 = await client.dequeue_rollout(worker_id="w")
+    assert d2 is not None and d2.latest_attempt is not None
+    second = await client.get_latest_attempt(r.rollout_id)
+    assert (
+        second is not None
+        and second.sequence_number == 2
+        and second.attempt_id == d2.latest_attempt.attempt_id
+    )
+    assert [a.sequence_number for a in await client.query_attempts(r.rollout_id, descending=True)] == [2, 1]
+    with pytest.raises(NotFoundError):
+        await client.get_latest_attempt("ro-missing")

@@ -1532,6 +1532,14 @@ class Store:
                 )
             sent = False
             while cursor < self._committed_revision:
+                # the log may have been trimmed while this generator was suspended at a yield
+                first = self._changes[0].revision if self._changes else self._committed_revision + 1
+                if cursor < first - 1:
+                    raise OutOfRangeError(
+                        "this watcher fell behind the retained history; resume from a fresh list",
+                        reason="RESUME_TOKEN_EXPIRED",
+                        revision=str(cursor),
+                    )
                 change = self._changes[cursor + 1 - first]
                 cursor = change.revision
                 r = change.rollout
