@@ -1,0 +1,1 @@
+"""Runnable examples of lightning-grpc (``python -m lightning_grpc.examples.<name>``)."""
