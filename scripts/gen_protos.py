@@ -35,7 +35,7 @@ def generate(dest: Path) -> None:
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
     bin_dir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
+        result = subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -49,10 +49,16 @@ def generate(dest: Path) -> None:
                 f"--mypy_grpc_out={tmp}",
                 *protos,
             ],
-            check=True,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
+        noise = "Writing mypy to "
+        errors = [line for line in result.stderr.splitlines() if not line.startswith(noise)]
+        if result.returncode != 0 or errors:
+            sys.stderr.write("\n".join(errors) + "\n")
+            raise SystemExit(result.returncode or 1)
         src = Path(tmp) / "lightning" / "v1"
         dest.mkdir(parents=True, exist_ok=True)
         for f in sorted(src.iterdir()):

@@ -26,6 +26,7 @@ from lightning_grpc.types import (
     RolloutSpec,
     RolloutStatus,
 )
+from lightning_grpc.v1 import store_service_pb2 as pb
 from tests.helpers import make_spans
 
 
@@ -247,3 +248,28 @@ async def test_memory_bound_evicts_the_oldest_finished_rollouts_and_never_runnin
             assert (await client.get_rollout(active.rollout_id)).status == RolloutStatus.RUNNING
     finally:
         await running.stop()
+
+
+async def test_a_page_token_never_skips_rows_when_earlier_rows_leave_the_filter(client: StoreClient) -> None:
+    ids = [
+        r.rollout_id
+        for r in await client.enqueue_rollouts([RolloutSpec(input=i, group_id="g3") for i in range(4)])
+    ]
+    first = await client.list_rollouts(group_id="g3", status_in=["queuing"], page_size=2)
+    assert [r.rollout_id for r in first] == ids[:2]
+    await client.cancel_rollout(ids[0])  # leaves the filtered set before the next page is read
+    second = await client.list_rollouts(
+        group_id="g3", status_in=["queuing"], page_size=2, page_token=first.next_page_token
+    )
+    assert [r.rollout_id for r in second] == ids[2:] and second.next_page_token == ""
+    workers = [f"w-{i}" for i in range(5)]
+    for w in workers:
+        await client.update_worker(w)
+    seen, token = [], ""
+    while True:
+        resp = await client._call("ListWorkers", pb.ListWorkersRequest(page_size=2, page_token=token))
+        seen += [w.worker_id for w in resp.workers]
+        token = resp.next_page_token
+        if not token:
+            break
+    assert seen == workers

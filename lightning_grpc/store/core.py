@@ -158,6 +158,7 @@ class Store:
         self._attempts: dict[str, AttemptState] = {}
         self._queue: dict[str, None] = {}
         self._queue_seq = itertools.count(1)
+        self._create_seq = itertools.count(1)
         self._workers: dict[str, WorkerState] = {}
         self._resources: dict[str, ResourcesState] = {}
         self._latest_resources_id = ""
@@ -189,6 +190,7 @@ class Store:
         self.store_id = loaded.store_id
         max_queue_seq = 0
         for rs in loaded.rollouts:
+            rs.create_seq = next(self._create_seq)
             self._rollouts[rs.rollout.rollout_id] = rs
             rs.bytes = self._estimate_rollout_bytes(rs)
             self._memory_bytes += rs.bytes
@@ -457,7 +459,7 @@ class Store:
             metadata=spec.metadata,
             create_time=now,
         )
-        rs = RolloutState(rollout=rollout, fingerprint=fingerprint)
+        rs = RolloutState(rollout=rollout, fingerprint=fingerprint, create_seq=next(self._create_seq))
         rs.bytes = self._estimate_rollout_bytes(rs)
         self._memory_bytes += rs.bytes
         self._rollouts[rollout.rollout_id] = rs
@@ -778,16 +780,14 @@ class Store:
             order,
             descending,
         )
-        offset = paging.read_token(page_token, filters) or 0
-        if not isinstance(offset, int) or offset < 0:
-            raise InvalidArgumentError("page_token", "is not a page token this store issued")
+        after = paging.read_token(page_token, filters)
         source: Iterable[RolloutState] = (
             (self._rollouts[i] for i in rollout_ids if i in self._rollouts)
             if id_set
             else self._rollouts.values()
         )
         matches = [
-            rs.rollout
+            rs
             for rs in source
             if (not status_set or rs.rollout.status in status_set)
             and (not rollout_id_contains or rollout_id_contains in rs.rollout.rollout_id)
@@ -795,14 +795,16 @@ class Store:
             and (not group_id or rs.rollout.group_id == group_id)
         ]
         if id_set:
-            matches = list({r.rollout_id: r for r in matches}.values())
-        if order != "create_time" or descending:
-            matches.sort(key=key, reverse=descending)
-        page = matches[offset : offset + size]
-        end = offset + len(page)
-        token = paging.make_token(end, filters) if end < len(matches) else ""
+            matches = list({rs.rollout.rollout_id: rs for rs in matches}.values())
+
+        def cursor(rs: RolloutState) -> tuple[Any, ...]:
+            return (key(rs.rollout), rs.create_seq)
+
+        matches.sort(key=cursor, reverse=descending)
+        page, nxt = paging.keyset_page(matches, cursor, size, after, descending)
+        token = paging.make_token(nxt, filters) if nxt is not None else ""
         await self._durable()
-        return Page(items=[copy_rollout(r) for r in page], next_page_token=token, total_size=len(matches))
+        return Page(items=[copy_rollout(rs.rollout) for rs in page], next_page_token=token, total_size=len(matches))
 
     # ================================================================== attempts
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
@@ -816,16 +818,16 @@ class Store:
         rs = self._rollout(rollout_id)
         size = paging.page_size(page_size)
         filters = paging.filter_hash(rollout_id, descending)
-        offset = paging.read_token(page_token, filters) or 0
         attempts = [a.attempt for a in rs.attempts]
         if descending:
             attempts.reverse()
-        page = attempts[offset : offset + size]
-        end = offset + len(page)
+        page, nxt = paging.keyset_page(
+            attempts, lambda a: (a.sequence_number,), size, paging.read_token(page_token, filters), descending
+        )
         await self._durable()
         return Page(
             items=[replace(a) for a in page],
-            next_page_token=paging.make_token(end, filters) if end < len(attempts) else "",
+            next_page_token=paging.make_token(nxt, filters) if nxt is not None else "",
             total_size=len(attempts),
         )
 
@@ -1371,22 +1373,23 @@ class Store:
     ) -> Page:
         size = paging.page_size(page_size)
         filters = paging.filter_hash(resources_id_contains, descending)
-        offset = paging.read_token(page_token, filters) or 0
+        def cursor(r: ResourcesUpdate) -> tuple[Any, ...]:
+            return (r.update_time, r.resources_id)
+
         matches = sorted(
             (
                 s.resources
                 for s in self._resources.values()
                 if resources_id_contains in s.resources.resources_id
             ),
-            key=lambda r: (r.update_time, r.resources_id),
+            key=cursor,
             reverse=descending,
         )
-        page = matches[offset : offset + size]
-        end = offset + len(page)
+        page, nxt = paging.keyset_page(matches, cursor, size, paging.read_token(page_token, filters), descending)
         await self._durable()
         return Page(
             items=[replace(r) for r in page],
-            next_page_token=paging.make_token(end, filters) if end < len(matches) else "",
+            next_page_token=paging.make_token(nxt, filters) if nxt is not None else "",
             total_size=len(matches),
         )
 
@@ -1430,18 +1433,21 @@ class Store:
                 raise InvalidArgumentError(f"statuses[{i}]", f"is not a worker status (got {s})") from None
         size = paging.page_size(page_size)
         filters = paging.filter_hash(sorted(wanted), worker_id_contains)
-        offset = paging.read_token(page_token, filters) or 0
-        matches = [
-            ws.worker
-            for ws in self._workers.values()
-            if (not wanted or ws.worker.status in wanted) and worker_id_contains in ws.worker.worker_id
-        ]
-        page = matches[offset : offset + size]
-        end = offset + len(page)
+        matches = sorted(
+            (
+                ws.worker
+                for ws in self._workers.values()
+                if (not wanted or ws.worker.status in wanted) and worker_id_contains in ws.worker.worker_id
+            ),
+            key=lambda w: w.worker_id,
+        )
+        page, nxt = paging.keyset_page(
+            matches, lambda w: (w.worker_id,), size, paging.read_token(page_token, filters)
+        )
         await self._durable()
         return Page(
             items=[replace(w) for w in page],
-            next_page_token=paging.make_token(end, filters) if end < len(matches) else "",
+            next_page_token=paging.make_token(nxt, filters) if nxt is not None else "",
             total_size=len(matches),
         )
 

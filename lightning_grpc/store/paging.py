@@ -5,9 +5,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from lightning_grpc.errors import InvalidArgumentError
+
+T = TypeVar("T")
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -44,3 +47,23 @@ def page_size(value: int, default: int = DEFAULT_PAGE_SIZE, maximum: int = MAX_P
     if value == 0:
         return default
     return min(value, maximum)
+
+
+def keyset_page(
+    rows: list[T], key: Callable[[T], tuple[Any, ...]], size: int, after: Any, descending: bool = False
+) -> tuple[list[T], list[Any] | None]:
+    """The page of ``rows`` (already sorted by ``key``) that follows the cursor ``after``.
+
+    A cursor is the key of the last row served, so rows that change or disappear between pages
+    never make the next page skip or repeat others. Returns the page and the next cursor (None at the end).
+    """
+    if after is not None:
+        if not isinstance(after, list):
+            raise InvalidArgumentError("page_token", "is not a page token this store issued")
+        position = tuple(after)
+        try:
+            rows = [r for r in rows if (key(r) < position if descending else key(r) > position)]
+        except TypeError:
+            raise InvalidArgumentError("page_token", "is not a page token this store issued") from None
+    page = rows[:size]
+    return page, (list(key(page[-1])) if len(rows) > size else None)

@@ -53,6 +53,8 @@ class RolloutState:
     fingerprint: str = ""
     #: Estimated bytes held (in-memory backend accounting).
     bytes: int = 0
+    #: Creation order (ties of create_time are broken by it; page cursors use it).
+    create_seq: int = 0
 
     @property
     def latest(self) -> AttemptState | None:

@@ -1463,7 +1463,7 @@ Global___GetWorkerResponse: _TypeAlias = GetWorkerResponse  # noqa: Y015
 
 @_typing.final
 class ListWorkersRequest(_message.Message):
-    """Request of ListWorkers."""
+    """Request of ListWorkers. Workers are ordered by worker id."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -282,7 +282,8 @@ class StoreServiceServicer:
 
     def AddSpans(self, request, context):
         """Stores a batch of spans. Spans already stored (same span id in the same attempt) are
-        skipped, so a batch can be resent safely.
+        skipped, so a batch can be resent safely. Spans of an attempt that already ended are
+        stored too (tracers flush late), but they never change the attempt or its rollout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

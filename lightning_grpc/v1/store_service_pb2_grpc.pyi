@@ -73,7 +73,8 @@ class StoreServiceStub:
     """
     AddSpans: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.AddSpansRequest, _store_service_pb2.AddSpansResponse]
     """Stores a batch of spans. Spans already stored (same span id in the same attempt) are
-    skipped, so a batch can be resent safely.
+    skipped, so a batch can be resent safely. Spans of an attempt that already ended are
+    stored too (tracers flush late), but they never change the attempt or its rollout.
     """
     AddSpansStream: _grpc.StreamStreamMultiCallable[_store_service_pb2.AddSpansStreamRequest, _store_service_pb2.AddSpansStreamResponse]
     """A stream of span batches; each batch is acknowledged once it is stored."""
@@ -155,7 +156,8 @@ class StoreServiceAsyncStub(StoreServiceStub):
     """
     AddSpans: _aio.UnaryUnaryMultiCallable[_store_service_pb2.AddSpansRequest, _store_service_pb2.AddSpansResponse]  # type: ignore[assignment]
     """Stores a batch of spans. Spans already stored (same span id in the same attempt) are
-    skipped, so a batch can be resent safely.
+    skipped, so a batch can be resent safely. Spans of an attempt that already ended are
+    stored too (tracers flush late), but they never change the attempt or its rollout.
     """
     AddSpansStream: _aio.StreamStreamMultiCallable[_store_service_pb2.AddSpansStreamRequest, _store_service_pb2.AddSpansStreamResponse]  # type: ignore[assignment]
     """A stream of span batches; each batch is acknowledged once it is stored."""
@@ -312,7 +314,8 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_store_service_pb2.AddSpansResponse, _abc.Awaitable[_store_service_pb2.AddSpansResponse]]:
         """Stores a batch of spans. Spans already stored (same span id in the same attempt) are
-        skipped, so a batch can be resent safely.
+        skipped, so a batch can be resent safely. Spans of an attempt that already ended are
+        stored too (tracers flush late), but they never change the attempt or its rollout.
         """
 
     @_abc_1.abstractmethod
