@@ -6,7 +6,7 @@ The servicers use it to call the core; the client uses it to return plain Python
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
@@ -434,46 +434,3 @@ def span_from_pb(m: span_pb2.Span) -> t.Span:
         links=[t.SpanLink(k.trace_id, k.span_id, attributes_from_pb(k.attributes)) for k in m.links],
         resource=attributes_from_pb(m.resource),
     )
-
-
-# ------------------------------------------------------------------ wire-level span records
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _field_bytes(tag: int, data: bytes) -> bytes:
-    return bytes([tag]) + _varint(len(data)) + data
-
-
-def stored_span_bytes(body: bytes, rollout_id: str, attempt_id: str, sequence_id: int) -> bytes:
-    """A stored span body with the store's rollout id, attempt id and sequence id appended.
-
-    In Protobuf the last occurrence of a singular field wins, so the appended ids override
-    whatever the client sent. Fields 1, 2 (strings) and 3 (varint) of ``lightning.v1.Span``.
-    """
-    return (
-        body
-        + _field_bytes(0x0A, rollout_id.encode())
-        + _field_bytes(0x12, attempt_id.encode())
-        + b"\x18"
-        + _varint(sequence_id)
-    )
-
-
-def repeated_spans_bytes(records: Iterable[Any], field_tag: int = 0x0A) -> bytes:
-    """Serialized ``repeated Span`` (field 1 of the enclosing message) built from stored records."""
-    parts = []
-    for r in records:
-        span = stored_span_bytes(r.body, r.rollout_id, r.attempt_id, r.sequence_id)
-        parts.append(bytes([field_tag]) + _varint(len(span)) + span)
-    return b"".join(parts)

@@ -15,10 +15,10 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
-from lightning_grpc.v1 import store_service_pb2, store_service_pb2_grpc
+from lightning_grpc.v1 import store_service_pb2
 
 from .auth import BearerTokenInterceptor
-from .store_servicer import StoreServicer
+from .store_servicer import StoreServicer, add_store_service
 
 log = logging.getLogger("lightning_grpc.server")
 
@@ -98,7 +98,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         ],
         compression=grpc.Compression.Gzip if config.gzip_responses else None,
     )
-    store_service_pb2_grpc.add_StoreServiceServicer_to_server(StoreServicer(store), server)
+    add_store_service(StoreServicer(store), server)
     names = [STORE_SERVICE]
     for name, add in config.extra_services:
         add(server)

@@ -13,28 +13,33 @@ from lightning_grpc.store import SpanRecord, SpanSelection, Store
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
+from . import wire
 from .adapter import streaming, unary
 
 Ctx = grpc.aio.ServicerContext
 
 
 def span_records(spans: Any) -> list[SpanRecord]:
-    """Incoming spans as store records: ids broken out, the rest kept as serialized bytes."""
-    return [
-        SpanRecord(
-            s.rollout_id,
-            s.attempt_id,
-            s.span_id,
-            s.trace_id,
-            s.parent_span_id,
-            s.name,
-            s.start_time_unix_nano,
-            s.end_time_unix_nano,
-            s.SerializeToString(),
-            s.sequence_id,
+    """Serialized spans as store records: ids decoded from each span's header, the bytes kept as they came."""
+    header = wire.SpanHeader.FromString
+    records = []
+    for body in spans:
+        h = header(body)
+        records.append(
+            SpanRecord(
+                h.rollout_id,
+                h.attempt_id,
+                h.span_id,
+                h.trace_id,
+                h.parent_span_id,
+                h.name,
+                h.start_time_unix_nano,
+                h.end_time_unix_nano,
+                body,
+                h.sequence_id,
+            )
         )
-        for s in spans
-    ]
+    return records
 
 
 def _selection(sel: pb.SpanSelector) -> SpanSelection:
@@ -220,7 +225,8 @@ class StoreServicer(pb_grpc.StoreServiceServicer):
 
     # ------------------------------------------------------------ spans
     @unary
-    async def AddSpans(self, request: pb.AddSpansRequest, context: Ctx) -> pb.AddSpansResponse:
+    async def AddSpans(self, request: Any, context: Ctx) -> pb.AddSpansResponse:
+        """``request`` is a wire.AddSpansRequestRaw: the spans stay serialized."""
         result = await self.store.add_spans(
             span_records(request.spans), request.rollout_id, request.attempt_id
         )
@@ -232,8 +238,9 @@ class StoreServicer(pb_grpc.StoreServiceServicer):
 
     @streaming
     async def AddSpansStream(
-        self, request_iterator: AsyncIterator[pb.AddSpansStreamRequest], context: Ctx
+        self, request_iterator: AsyncIterator[Any], context: Ctx
     ) -> AsyncIterator[pb.AddSpansStreamResponse]:
+        """Each request is a wire.AddSpansStreamRequestRaw: the spans stay serialized."""
         async for batch in request_iterator:
             try:
                 result = await self.store.add_spans(
@@ -255,20 +262,18 @@ class StoreServicer(pb_grpc.StoreServiceServicer):
             )
 
     @unary
-    async def ListSpans(self, request: pb.ListSpansRequest, context: Ctx) -> pb.ListSpansResponse:
+    async def ListSpans(self, request: pb.ListSpansRequest, context: Ctx) -> bytes:  # type: ignore[override]
+        """Answers a serialized ListSpansResponse built from the stored span bytes."""
         page = await self.store.list_spans(
             _selection(request.selector), request.page_size, request.page_token
         )
-        resp = pb.ListSpansResponse.FromString(convert.repeated_spans_bytes(page.items))
-        resp.next_page_token = page.next_page_token
-        return resp
+        return wire.spans_message(page.items, page.next_page_token)
 
     @streaming
-    async def TailSpans(
-        self, request: pb.TailSpansRequest, context: Ctx
-    ) -> AsyncIterator[pb.TailSpansResponse]:
+    async def TailSpans(self, request: pb.TailSpansRequest, context: Ctx) -> AsyncIterator[bytes]:  # type: ignore[override]
+        """Yields serialized TailSpansResponse messages built from the stored span bytes."""
         async for records in self.store.tail_spans(_selection(request.selector), follow=request.follow):
-            yield pb.TailSpansResponse.FromString(convert.repeated_spans_bytes(records))
+            yield wire.spans_message(records)
 
     @unary
     async def GetNextSpanSequenceId(
@@ -423,4 +428,32 @@ class StoreServicer(pb_grpc.StoreServiceServicer):
         )
 
 
-__all__ = ["StoreServicer", "span_records"]
+#: Methods whose requests are read through the wire views, and whose answers are already bytes.
+RAW_REQUESTS = {"AddSpans": wire.AddSpansRequestRaw, "AddSpansStream": wire.AddSpansStreamRequestRaw}
+RAW_RESPONSES = {"ListSpans", "TailSpans"}
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_store_service(servicer: StoreServicer, server: grpc.aio.Server) -> None:
+    """Register StoreService as the generated helper does, with the hot span paths kept as bytes."""
+    service = pb.DESCRIPTOR.services_by_name["StoreService"]
+    handlers = {}
+    for method in service.methods:
+        request_class = RAW_REQUESTS.get(method.name) or getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=request_class.FromString,
+            response_serializer=None if method.name in RAW_RESPONSES else response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+__all__ = ["StoreServicer", "add_store_service", "span_records"]
