@@ -45,3 +45,7 @@ breaking: $(STAMP)
 	@tag=$$(git describe --tags --abbrev=0 --match 'v*' 2>/dev/null); \
 	if [ -n "$$tag" ]; then $(BIN)/buf breaking --against ".git#tag=$$tag"; \
 	else echo "buf breaking: no release tag yet, nothing to compare against"; fi
+
+# Benchmarks (never part of `make test`): `make bench` (~15 min) or `make bench QUICK=1` (~3 min).
+bench: $(STAMP)
+	$(PY) bench/run.py $(if $(QUICK),--quick,)

@@ -804,7 +804,9 @@ class Store:
         page, nxt = paging.keyset_page(matches, cursor, size, after, descending)
         token = paging.make_token(nxt, filters) if nxt is not None else ""
         await self._durable()
-        return Page(items=[copy_rollout(rs.rollout) for rs in page], next_page_token=token, total_size=len(matches))
+        return Page(
+            items=[copy_rollout(rs.rollout) for rs in page], next_page_token=token, total_size=len(matches)
+        )
 
     # ================================================================== attempts
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
@@ -1373,6 +1375,7 @@ class Store:
     ) -> Page:
         size = paging.page_size(page_size)
         filters = paging.filter_hash(resources_id_contains, descending)
+
         def cursor(r: ResourcesUpdate) -> tuple[Any, ...]:
             return (r.update_time, r.resources_id)
 
@@ -1385,7 +1388,9 @@ class Store:
             key=cursor,
             reverse=descending,
         )
-        page, nxt = paging.keyset_page(matches, cursor, size, paging.read_token(page_token, filters), descending)
+        page, nxt = paging.keyset_page(
+            matches, cursor, size, paging.read_token(page_token, filters), descending
+        )
         await self._durable()
         return Page(
             items=[replace(r) for r in page],

@@ -1,0 +1,557 @@
+"""Run every benchmark side by side and write bench/results/latest.{json,md}.
+
+    python bench/run.py            # full run (two runs of everything), ~15 min
+    python bench/run.py --quick    # one run, fewer spans, ~3 min
+    python bench/run.py --smoke    # seconds; no Agent Lightning; used by `make test`
+
+Peers, each server in its own process on 127.0.0.1: Agent Lightning 0.3.0's store (its own HTTP
+server and client, installed by bench/agl_setup.py into bench/.venv-agl), a no-op grpc.aio server
+(the Python gRPC ceiling), and lightning-grpc with the memory and the SQLite backend. Ratios are
+always lightning-grpc's figure divided by the peer's figure from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PY = sys.executable
+AGL_PY = BENCH / ".venv-agl" / "bin" / "python"
+RESULTS = BENCH / "results"
+
+
+@dataclass
+class Sizes:
+    spans: int = 20_000
+    writers: tuple[int, ...] = (1, 8, 32)
+    rollouts: int = 2_000
+    cycle_workers: tuple[int, ...] = (8, 32)
+    latency_samples: int = 50
+    query_rollouts: int = 10_000
+    fill_spans: int = 1_000_000
+    runs: int = 2
+    max_seconds: float = 60.0
+    agl: bool = True
+
+
+PROFILES = {
+    "full": Sizes(),
+    "quick": Sizes(
+        spans=5_000,
+        writers=(1, 8),
+        rollouts=500,
+        cycle_workers=(32,),
+        latency_samples=20,
+        query_rollouts=2_000,
+        fill_spans=100_000,
+        runs=1,
+        max_seconds=20.0,
+    ),
+    "smoke": Sizes(
+        spans=256,
+        writers=(8,),
+        rollouts=40,
+        cycle_workers=(8,),
+        latency_samples=3,
+        query_rollouts=100,
+        fill_spans=2_000,
+        runs=1,
+        max_seconds=10.0,
+        agl=False,
+    ),
+}
+
+
+# ------------------------------------------------------------------ processes
+
+
+class RssSampler:
+    """Peak resident memory of a process, sampled every 0.2 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+            except psutil.Error:
+                return
+            self._stop.wait(0.2)
+
+    def now(self) -> int:
+        return int(self.process.memory_info().rss)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[str]
+    address: str
+    rss: RssSampler
+    lines: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def server(
+    name: str, argv: list[str], ready: re.Pattern[str], env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    lines: list[str] = []
+    port = None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = ready.search(line)
+        if m:
+            port = m.group(1)
+            break
+    if port is None:
+        proc.kill()
+        raise RuntimeError(f"{name} did not start:\n{''.join(lines[-20:])}")
+    threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    srv = Server(name, proc, f"127.0.0.1:{port}", RssSampler(proc.pid), lines)
+    try:
+        yield srv
+    finally:
+        srv.rss.stop()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def ours(name: str, db: Path | None) -> Any:
+    where = ["--db", str(db)] if db else ["--memory"]
+    argv = [PY, "-m", "lightning_grpc.cli.main", "serve", "--port", "0", *where]
+    return server(name, argv, re.compile(r"event=server_started address=127\.0\.0\.1:(\d+)"))
+
+
+def ceiling() -> Any:
+    return server(
+        "ceiling", [PY, str(BENCH / "ceiling_server.py"), "--port", "0"], re.compile(r"READY (\d+)")
+    )
+
+
+def agl() -> Any:
+    return server(
+        "agentlightning",
+        [str(AGL_PY), str(BENCH / "agl_server.py"), "--port", "0"],
+        re.compile(r"READY (\d+)"),
+    )
+
+
+def drive(
+    python: Path | str, script: str, target_args: list[str], args: list[str], timeout: float
+) -> dict[str, Any]:
+    cmd = [str(python), str(BENCH / script), *target_args, *args]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s", "cmd": " ".join(args)}
+    if out.returncode != 0:
+        return {"error": (out.stderr or out.stdout)[-2000:], "cmd": " ".join(args)}
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def grpc_drive(srv: Server, args: list[str], sizes: Sizes) -> dict[str, Any]:
+    return drive(
+        PY,
+        "grpc_peer.py",
+        ["--target", srv.address, "--max-seconds", str(sizes.max_seconds)],
+        args,
+        sizes.max_seconds * 3 + 120,
+    )
+
+
+def agl_drive(srv: Server, args: list[str], sizes: Sizes) -> dict[str, Any]:
+    return drive(
+        AGL_PY,
+        "agl_peer.py",
+        ["--url", f"http://{srv.address}", "--max-seconds", str(sizes.max_seconds)],
+        args,
+        sizes.max_seconds * 3 + 120,
+    )
+
+
+# ------------------------------------------------------------------ one run
+
+
+def run_grpc_store(srv: Server, sizes: Sizes, setup: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    shapes = ["single", "unary64", "stream64"]
+    for w in sizes.writers:
+        for shape in shapes:
+            spans = sizes.spans if shape != "single" else min(sizes.spans, 4_000)
+            args = ["span-ingest", "--writers", str(w), "--spans", str(spans), "--shape", shape]
+            out[f"span_ingest/w{w}/{shape}"] = grpc_drive(srv, args + (["--setup"] if setup else []), sizes)
+    if not setup:
+        return out
+    for k in sizes.cycle_workers:
+        args = ["rollout-cycle", "--rollouts", str(sizes.rollouts), "--workers", str(k)]
+        out[f"rollout_cycle/k{k}"] = grpc_drive(srv, args, sizes)
+    for via in ("wait", "watch"):
+        args = ["completion-latency", "--samples", str(sizes.latency_samples), "--via", via]
+        out[f"completion_latency/{via}"] = grpc_drive(srv, args, sizes)
+    out["queries"] = grpc_drive(
+        srv, ["queries", "--spans", "200", "--rollouts", str(sizes.query_rollouts)], sizes
+    )
+    return out
+
+
+def run_agl(srv: Server, sizes: Sizes) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for w in sizes.writers:
+        for path in ("single", "otlp64"):
+            spans = sizes.spans if path == "otlp64" else min(sizes.spans, 4_000)
+            args = ["span-ingest", "--writers", str(w), "--spans", str(spans), "--path", path]
+            out[f"span_ingest/w{w}/{path}"] = agl_drive(srv, args, sizes)
+    for k in sizes.cycle_workers:
+        out[f"rollout_cycle/k{k}"] = agl_drive(
+            srv, ["rollout-cycle", "--rollouts", str(sizes.rollouts), "--workers", str(k)], sizes
+        )
+    out["completion_latency/poll"] = agl_drive(
+        srv, ["completion-latency", "--samples", str(sizes.latency_samples)], sizes
+    )
+    out["queries"] = agl_drive(
+        srv, ["queries", "--spans", "200", "--rollouts", str(sizes.query_rollouts)], sizes
+    )
+    return out
+
+
+def one_run(sizes: Sizes, workdir: Path, index: int, log: Any) -> dict[str, Any]:
+    run: dict[str, Any] = {}
+    log(f"run {index}: ceiling")
+    with ceiling() as srv:
+        run["ceiling"] = {"results": run_grpc_store(srv, sizes, setup=False), "peak_rss_mib": None}
+        run["ceiling"]["peak_rss_mib"] = round(srv.rss.peak / 2**20, 1)
+    for name, db in (("lightning_grpc_memory", None), ("lightning_grpc_sqlite", workdir / f"run{index}.db")):
+        log(f"run {index}: {name}")
+        with ours(name, db) as srv:
+            results = run_grpc_store(srv, sizes, setup=True)
+            run[name] = {"results": results, "peak_rss_mib": round(srv.rss.peak / 2**20, 1)}
+    if sizes.agl and AGL_PY.exists():
+        log(f"run {index}: agentlightning")
+        with agl() as srv:
+            results = run_agl(srv, sizes)
+            run["agentlightning"] = {"results": results, "peak_rss_mib": round(srv.rss.peak / 2**20, 1)}
+    return run
+
+
+def rss_after_fill(sizes: Sizes, workdir: Path, log: Any) -> dict[str, Any]:
+    log(f"rss: storing {sizes.fill_spans:,} spans with SQLite")
+    with ours("lightning_grpc_sqlite", workdir / "fill.db") as srv:
+        result = grpc_drive(srv, ["fill", "--spans", str(sizes.fill_spans)], Sizes(max_seconds=600))
+        time.sleep(1.0)
+        result["rss_after_mib"] = round(srv.rss.now() / 2**20, 1)
+        result["peak_rss_mib"] = round(srv.rss.peak / 2**20, 1)
+    result["db_mib"] = round((workdir / "fill.db").stat().st_size / 2**20, 1)
+    return result
+
+
+# ------------------------------------------------------------------ ratios and reports
+
+
+def figure(run: dict[str, Any], system: str, key: str, metric: str) -> float | None:
+    value = run.get(system, {}).get("results", {}).get(key, {}).get(metric)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
+    w8 = lambda system, shape: figure(run, system, f"span_ingest/w8/{shape}", "spans_per_s")  # noqa: E731
+    best_ours_mem = max(
+        filter(None, [w8("lightning_grpc_memory", s) for s in ("unary64", "stream64")]), default=None
+    )
+    best_ours_sql = max(
+        filter(None, [w8("lightning_grpc_sqlite", s) for s in ("unary64", "stream64")]), default=None
+    )
+    agl_best = w8("agentlightning", "otlp64")
+    vs_ceiling = [ratio(w8("lightning_grpc_memory", s), w8("ceiling", s)) for s in ("unary64", "stream64")]
+    return {
+        "span_ingest_w8_vs_agl_memory": ratio(best_ours_mem, agl_best),
+        "span_ingest_w8_vs_ceiling_memory": min((v for v in vs_ceiling if v is not None), default=None),
+        "span_ingest_w8_vs_ceiling_memory_unary64": vs_ceiling[0],
+        "span_ingest_w8_vs_ceiling_memory_stream64": vs_ceiling[1],
+        "span_ingest_w8_vs_agl_sqlite": ratio(best_ours_sql, agl_best),
+        "rollout_cycle_k32_vs_agl_memory": ratio(
+            figure(run, "lightning_grpc_memory", "rollout_cycle/k32", "rollouts_per_s"),
+            figure(run, "agentlightning", "rollout_cycle/k32", "rollouts_per_s"),
+        ),
+    }
+
+
+def worst(values: list[float | None], higher_is_better: bool = True) -> float | None:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return min(present) if higher_is_better else max(present)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": psutil.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "os": platform.platform(),
+    }
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    out = {name: version(name) for name in ("grpcio", "protobuf", "sqlite-utils", "lightning-grpc")}
+    import sqlite3
+
+    out["sqlite"] = sqlite3.sqlite_version
+    return out
+
+
+def write_reports(report: dict[str, Any], out_dir: Path, readme: Path | None) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
+    md = markdown(report)
+    (out_dir / "latest.md").write_text(md)
+    if readme is not None and readme.exists():
+        text = readme.read_text()
+        start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+        if start in text and end in text:
+            head, rest = text.split(start, 1)
+            _, tail = rest.split(end, 1)
+            readme.write_text(head + start + "\n" + md + end + tail)
+
+
+def _fmt(v: Any, digits: int = 0) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float) and digits:
+        return f"{v:,.{digits}f}"
+    if isinstance(v, int | float):
+        return f"{v:,.0f}"
+    return str(v)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    runs = report["runs"]
+    lines = [
+        f"Measured {report['date']} on {report['machine']['cpu']} ({report['machine']['cores']} cores, "
+        f"{report['machine']['memory_gib']} GiB), profile `{report['profile']}`, {len(runs)} run(s); "
+        "each cell lists every run.",
+        "",
+        "| goal | figure | target | met |",
+        "|---|---|---|---|",
+    ]
+    for goal in report["goals"]:
+        lines.append(
+            f"| {goal['name']} | {_fmt(goal['value'], 2)} | {goal['target']} | {'yes' if goal['met'] else 'no'} |"
+        )
+    lines += ["", "| workload | system | figure | runs |", "|---|---|---|---|"]
+    systems = ["agentlightning", "ceiling", "lightning_grpc_memory", "lightning_grpc_sqlite"]
+    keys: list[str] = []
+    for run in runs:
+        for system in systems:
+            for key in run.get(system, {}).get("results", {}):
+                if key not in keys:
+                    keys.append(key)
+    for key in keys:
+        for system in systems:
+            cells = []
+            metric = ""
+            for run in runs:
+                res = run.get(system, {}).get("results", {}).get(key)
+                if res is None:
+                    continue
+                metric, value = headline(key, res)
+                cells.append(value)
+            if cells:
+                lines.append(f"| {key} | {system} | {metric} | {' / '.join(cells)} |")
+    lines += ["", "| system | peak server RSS (MiB), per run |", "|---|---|"]
+    for system in systems:
+        peaks = [_fmt(run.get(system, {}).get("peak_rss_mib"), 1) for run in runs if system in run]
+        if peaks:
+            lines.append(f"| {system} | {' / '.join(peaks)} |")
+    fill = report.get("rss_after_fill", {})
+    lines += [
+        "",
+        f"SQLite after storing {_fmt(fill.get('spans'))} spans: server RSS {_fmt(fill.get('rss_after_mib'), 1)} MiB "
+        f"(peak {_fmt(fill.get('peak_rss_mib'), 1)} MiB), database {_fmt(fill.get('db_mib'), 1)} MiB, "
+        f"ingest {_fmt(fill.get('spans_per_s'))} spans/s.",
+        "",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def headline(key: str, res: dict[str, Any]) -> tuple[str, str]:
+    if "error" in res:
+        return "error", "error: " + str(res["error"]).splitlines()[-1][:80]
+    if key.startswith("span_ingest"):
+        return (
+            "spans/s (p50/p99 ms per call)",
+            f"{_fmt(res.get('spans_per_s'))} ({res.get('p50_ms')}/{res.get('p99_ms')})",
+        )
+    if key.startswith("rollout_cycle"):
+        return "rollouts/s (dequeue p50/p99 ms)", (
+            f"{_fmt(res.get('rollouts_per_s'), 1)} ({res.get('dequeue_p50_ms')}/{res.get('dequeue_p99_ms')})"
+        )
+    if key.startswith("completion_latency"):
+        return "p50/p99 ms", f"{res.get('p50_ms')}/{res.get('p99_ms')}"
+    if key == "queries":
+        s, r = res.get("spans_of_rollout", {}), res.get("list_rollouts_first_page", {})
+        return "spans of a rollout; first page of rollouts (p50/p99 ms)", (
+            f"{s.get('p50_ms')}/{s.get('p99_ms')}; {r.get('p50_ms')}/{r.get('p99_ms')}"
+        )
+    return "", json.dumps(res)[:80]
+
+
+def goals(ratios: dict[str, float | None], latency: float | None, rss: float | None) -> list[dict[str, Any]]:
+    def goal(name: str, value: float | None, target: str, ok: bool) -> dict[str, Any]:
+        return {"name": name, "value": value, "target": target, "met": bool(value is not None and ok)}
+
+    r = ratios
+    return [
+        goal(
+            "span ingest W=8, memory ÷ Agent Lightning (OTLP batches)",
+            r["span_ingest_w8_vs_agl_memory"],
+            "≥ 10",
+            (r["span_ingest_w8_vs_agl_memory"] or 0) >= 10,
+        ),
+        goal(
+            "span ingest W=8, memory ÷ gRPC ceiling (same shape, worse shape)",
+            r["span_ingest_w8_vs_ceiling_memory"],
+            "≥ 0.40",
+            (r["span_ingest_w8_vs_ceiling_memory"] or 0) >= 0.40,
+        ),
+        goal(
+            "span ingest W=8, SQLite ÷ Agent Lightning (OTLP batches)",
+            r["span_ingest_w8_vs_agl_sqlite"],
+            "≥ 5",
+            (r["span_ingest_w8_vs_agl_sqlite"] or 0) >= 5,
+        ),
+        goal(
+            "rollout cycle K=32, memory ÷ Agent Lightning",
+            r["rollout_cycle_k32_vs_agl_memory"],
+            "≥ 10",
+            (r["rollout_cycle_k32_vs_agl_memory"] or 0) >= 10,
+        ),
+        goal("completion latency p99 (ms)", latency, "≤ 50", (latency if latency is not None else 1e9) <= 50),
+        goal(
+            "server RSS after 1,000,000 SQLite spans (MiB)",
+            rss,
+            "≤ 500",
+            (rss if rss is not None else 1e9) <= 500,
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true")
+    mode.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-readme", action="store_true", help="do not refresh the table in README.md")
+    args = parser.parse_args(argv)
+    profile = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sizes = PROFILES[profile]
+    started = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {msg}", flush=True)
+
+    if sizes.agl:
+        log("setting up Agent Lightning 0.3.0 in bench/.venv-agl")
+        subprocess.run([PY, str(BENCH / "agl_setup.py")], check=True, cwd=ROOT)
+    workdir = Path(tempfile.mkdtemp(prefix="lightning-bench-"))
+    try:
+        runs = [one_run(sizes, workdir, i + 1, log) for i in range(sizes.runs)]
+        fill = rss_after_fill(sizes, workdir, log)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    per_run = [run_ratios(run) for run in runs]
+    ratios = {key: worst([r[key] for r in per_run]) for key in per_run[0]}
+    latency = worst(
+        [
+            figure(run, system, f"completion_latency/{via}", "p99_ms")
+            for run in runs
+            for system in ("lightning_grpc_memory", "lightning_grpc_sqlite")
+            for via in ("wait", "watch")
+        ],
+        higher_is_better=False,
+    )
+    rss = fill.get("rss_after_mib") if fill.get("spans", 0) >= 1_000_000 else None
+    report: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "profile": profile,
+        "machine": machine(),
+        "versions": versions(),
+        "ratios": ratios,
+        "ratios_by_run": per_run,
+        "completion_latency_p99_ms": latency,
+        "rss_1m_spans_sqlite_mib": rss,
+        "rss_after_fill": fill,
+        "runs": runs,
+        "notes": "Top-level ratios are the worst over runs (and, against the ceiling, over the unary and stream "
+        "shapes); completion latency is the worst p99 of both backends and both ways of waiting.",
+    }
+    report["goals"] = goals(ratios, latency, rss)
+    write_reports(report, args.out, None if (args.no_readme or args.smoke) else ROOT / "README.md")
+    log(f"wrote {args.out / 'latest.json'} and latest.md")
+    print((args.out / "latest.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

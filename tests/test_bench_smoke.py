@@ -1,0 +1,42 @@
+"""A tiny run of the benchmark code, so it cannot rot (the real benchmarks run with `make bench`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+
+def test_the_benchmark_harness_runs_every_grpc_peer_and_writes_its_reports(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/run.py", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "latest.json").read_text())
+    run = report["runs"][0]
+    for system in ("ceiling", "lightning_grpc_memory", "lightning_grpc_sqlite"):
+        for shape in ("single", "unary64", "stream64"):
+            res = run[system]["results"][f"span_ingest/w8/{shape}"]
+            assert "error" not in res, res
+            assert res["spans_done"] == 256 and res["spans_per_s"] > 0
+    for system in ("lightning_grpc_memory", "lightning_grpc_sqlite"):
+        results = run[system]["results"]
+        assert results["rollout_cycle/k8"]["completed"] == 40
+        assert results["queries"]["spans_of_rollout"]["spans"] == 200
+        assert results["completion_latency/wait"]["samples"] == 3
+    assert report["rss_after_fill"]["spans"] == 2000 and report["rss_after_fill"]["rss_after_mib"] > 0
+    assert set(report["ratios"]) >= {
+        "span_ingest_w8_vs_agl_memory",
+        "span_ingest_w8_vs_ceiling_memory",
+        "span_ingest_w8_vs_agl_sqlite",
+        "rollout_cycle_k32_vs_agl_memory",
+    }
+    assert "completion_latency_p99_ms" in report and "rss_1m_spans_sqlite_mib" in report
+    assert "| goal | figure | target | met |" in (tmp_path / "latest.md").read_text()
