@@ -218,22 +218,55 @@ async def rollout_cycle(args: argparse.Namespace) -> dict[str, Any]:
         counter = [0]
         empty_polls = [0]
 
-        async def worker(k: int) -> None:
-            while remaining[0] > 0 and time.perf_counter() < deadline:
-                t0 = time.perf_counter()
-                got = await client.dequeue_rollout(worker_id=f"bench-{k}", wait=0.2)
-                if got is None or got.latest_attempt is None:
-                    empty_polls[0] += 1
-                    continue
+        def five_spans() -> list[span_pb2.Span]:
+            spans = []
+            for _ in range(5):
+                counter[0] += 1
+                spans.append(span_pb2.Span.FromString(factory.span(counter[0])))
+            return spans
+
+        async def claim(k: int) -> Any:
+            t0 = time.perf_counter()
+            got = await client.dequeue_rollout(worker_id=f"bench-{k}", wait=0.2)
+            if got is None:
+                empty_polls[0] += 1
+            else:
                 dequeue_latency.append(time.perf_counter() - t0)
-                spans = []
-                for _ in range(5):
-                    counter[0] += 1
-                    spans.append(span_pb2.Span.FromString(factory.span(counter[0])))
+            return got
+
+        async def separate(k: int) -> None:
+            """Three calls per rollout: dequeue, add its spans, report success."""
+            while remaining[0] > 0 and time.perf_counter() < deadline:
+                got = await claim(k)
+                if got is None or got.latest_attempt is None:
+                    continue
                 aid = got.latest_attempt.attempt_id
-                await client.add_spans(spans, rollout_id=got.rollout_id, attempt_id=aid)
+                await client.add_spans(five_spans(), rollout_id=got.rollout_id, attempt_id=aid)
                 await client.complete_attempt(got.rollout_id, aid, "succeeded")
                 remaining[0] -= 1
+
+        async def combined(k: int) -> None:
+            """One call per rollout: report success with the spans and claim the next rollout."""
+            got = None
+            while remaining[0] > 0 and time.perf_counter() < deadline:
+                if got is None:
+                    got = await claim(k)
+                    continue
+                t0 = time.perf_counter()
+                _, _, nxt = await client.complete_and_dequeue(
+                    got.rollout_id,
+                    got.latest_attempt.attempt_id,
+                    "succeeded",
+                    spans=five_spans(),
+                    worker_id=f"bench-{k}",
+                    wait=0.2 if remaining[0] > 1 else None,
+                )
+                remaining[0] -= 1
+                got = nxt[0] if nxt else None
+                if got is not None:
+                    dequeue_latency.append(time.perf_counter() - t0)
+
+        worker = combined if args.api == "combined" else separate
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(args.workers)))
@@ -246,6 +279,8 @@ async def rollout_cycle(args: argparse.Namespace) -> dict[str, Any]:
         "completed": completed,
         "seconds": round(elapsed, 3),
         "rollouts_per_s": round(completed / elapsed, 1),
+        "api": args.api,
+        "calls_per_rollout": 1 if args.api == "combined" else 3,
         "dequeue_wait_s": 0.2,
         "empty_dequeues": empty_polls[0],
         **{f"dequeue_{k}": v for k, v in latency_ms(dequeue_latency).items()},
@@ -371,6 +406,7 @@ def main() -> None:
     p = sub.add_parser("rollout-cycle")
     p.add_argument("--rollouts", type=int, default=2000)
     p.add_argument("--workers", type=int, default=32)
+    p.add_argument("--api", choices=["combined", "separate"], default="combined")
     p = sub.add_parser("completion-latency")
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--via", choices=["wait", "watch"], default="wait")

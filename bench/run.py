@@ -20,6 +20,7 @@ import platform
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -174,10 +175,17 @@ def ceiling() -> Any:
     )
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def agl() -> Any:
+    # Agent Lightning's launcher probes the port it was given, so it needs a real one, not 0.
     return server(
         "agentlightning",
-        [str(AGL_PY), str(BENCH / "agl_server.py"), "--port", "0"],
+        [str(AGL_PY), str(BENCH / "agl_server.py"), "--port", str(free_port())],
         re.compile(r"READY (\d+)"),
     )
 
@@ -231,6 +239,7 @@ def run_grpc_store(srv: Server, sizes: Sizes, setup: bool) -> dict[str, Any]:
     for k in sizes.cycle_workers:
         args = ["rollout-cycle", "--rollouts", str(sizes.rollouts), "--workers", str(k)]
         out[f"rollout_cycle/k{k}"] = grpc_drive(srv, args, sizes)
+        out[f"rollout_cycle/k{k}/three_calls"] = grpc_drive(srv, [*args, "--api", "separate"], sizes)
     for via in ("wait", "watch"):
         args = ["completion-latency", "--samples", str(sizes.latency_samples), "--via", via]
         out[f"completion_latency/{via}"] = grpc_drive(srv, args, sizes)

@@ -603,3 +603,37 @@ async def test_latest_attempt_follows_retries(client: StoreClient) -> None:
     assert [a.sequence_number for a in await client.query_attempts(r.rollout_id, descending=True)] == [2, 1]
     with pytest.raises(NotFoundError):
         await client.get_latest_attempt("ro-missing")
+
+
+async def test_completion_can_store_the_last_spans_and_claim_the_next_rollout(client: StoreClient) -> None:
+    first, second = await client.enqueue_rollouts([{"input": 1}, {"input": 2}])
+    d = await client.dequeue_rollout(worker_id="w")
+    assert d is not None and d.latest_attempt is not None and d.rollout_id == first.rollout_id
+    attempt, rollout, nxt = await client.complete_and_dequeue(
+        d.rollout_id, d.latest_attempt.attempt_id, "succeeded", spans=make_spans(5), worker_id="w"
+    )
+    assert attempt.status == AttemptStatus.SUCCEEDED and rollout.status == RolloutStatus.SUCCEEDED
+    assert len(await client.query_spans(d.rollout_id)) == 5
+    assert [r.rollout_id for r in nxt] == [second.rollout_id]
+    assert nxt[0].latest_attempt is not None and nxt[0].latest_attempt.worker_id == "w"
+    _, _, none_left = await client.complete_and_dequeue(
+        second.rollout_id, nxt[0].latest_attempt.attempt_id, "failed", "no", worker_id="w", wait=0.2
+    )
+    assert none_left == []
+    # a bad span refuses the whole completion: nothing stored, the attempt still active
+    third = await client.start_rollout({"x": 3})
+    assert third.latest_attempt is not None
+    with pytest.raises(InvalidArgumentError):
+        await client.complete_attempt(
+            third.rollout_id, third.latest_attempt.attempt_id, "succeeded", spans=[make_span(span_id="bad")]
+        )
+    assert (await client.get_rollout(third.rollout_id)).status == RolloutStatus.PREPARING
+    with pytest.raises(InvalidArgumentError):  # and a bad dequeue is refused before anything is stored
+        from lightning_grpc.v1 import store_service_pb2 as pb
+
+        req = pb.CompleteAttemptRequest(
+            rollout_id=third.rollout_id, attempt_id=third.latest_attempt.attempt_id, status=3
+        )
+        req.dequeue_next.max_rollouts = -1
+        await client._call("CompleteAttempt", req)
+    assert (await client.get_rollout(third.rollout_id)).status == RolloutStatus.PREPARING

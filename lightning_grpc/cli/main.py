@@ -107,10 +107,61 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_runner_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("runner", help="run an agent on rollouts from a store")
+    p.add_argument(
+        "agent", help="module:name or path/file.py:name (a @rollout function, LitAgent, or its class)"
+    )
+    p.add_argument("--store", default=os.environ.get("LIGHTNING_GRPC_STORE", "127.0.0.1:4747"))
+    p.add_argument("--token", default=os.environ.get("LIGHTNING_GRPC_TOKEN"))
+    p.add_argument("--concurrency", type=int, default=1, help="rollouts run at once in each process")
+    p.add_argument(
+        "--processes", type=int, default=1, help="runner processes on this machine (or Ray actors)"
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the runners as Ray actors (a cluster address, or a local Ray when none is given)",
+    )
+    p.add_argument("--max-rollouts", type=int, help="stop each runner after this many rollouts")
+    p.add_argument("--heartbeat-interval", type=float, default=5.0, help="seconds between attempt heartbeats")
+    p.add_argument("--poll-wait", type=float, default=2.0, help="long-poll wait of each dequeue, seconds")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run_runner)
+
+
+def run_runner(args: argparse.Namespace) -> int:
+    from lightning_grpc.runner import RunnerSpec, run_processes
+    from lightning_grpc.runner.fleet import run_ray
+
+    configure_logging(args.log_level)
+    os.environ["LIGHTNING_GRPC_LOG_LEVEL"] = args.log_level
+    if args.concurrency < 1 or args.processes < 1:
+        raise SystemExit("error: --concurrency and --processes must be at least 1")
+    spec = RunnerSpec(
+        agent=args.agent,
+        store=args.store,
+        concurrency=args.concurrency,
+        token=args.token or None,
+        max_rollouts=args.max_rollouts,
+        options={"heartbeat_interval": args.heartbeat_interval, "poll_wait": args.poll_wait},
+    )
+    from lightning_grpc.runner import load_agent
+
+    load_agent(args.agent)  # fail here, with a clear message, if the reference is wrong
+    if args.ray is not None:
+        return run_ray(spec, args.processes, args.ray or None)
+    return run_processes(spec, args.processes)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-grpc", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
+    add_runner_parser(sub)
     from lightning_grpc.cli import inspect as inspect_commands
 
     inspect_commands.add_parsers(sub)

@@ -300,7 +300,52 @@ class StoreClient:
         status: t.AttemptStatus | str | int,
         message: str = "",
         metadata: Mapping[str, Any] | None = None,
+        *,
+        spans: Iterable[t.Span | span_pb2.Span] = (),
     ) -> tuple[t.Attempt, t.Rollout]:
+        """Report an attempt's outcome; ``spans`` are stored in the same commit. Returns (attempt, rollout)."""
+        request = self._completion(rollout_id, attempt_id, status, message, metadata, spans)
+        resp = await self._call("CompleteAttempt", request)
+        return convert.attempt_from_pb(resp.attempt), convert.rollout_from_pb(resp.rollout)
+
+    async def complete_and_dequeue(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: t.AttemptStatus | str | int,
+        message: str = "",
+        *,
+        spans: Iterable[t.Span | span_pb2.Span] = (),
+        worker_id: str = "",
+        limit: int = 1,
+        wait: float | None = None,
+    ) -> tuple[t.Attempt, t.Rollout, list[t.Rollout]]:
+        """Report an outcome and claim the worker's next rollouts in one round trip.
+
+        Returns (attempt, rollout, next rollouts). A retried call returns the same claims.
+        """
+        request = self._completion(rollout_id, attempt_id, status, message, None, spans)
+        request.dequeue_next.worker_id = worker_id
+        request.dequeue_next.max_rollouts = limit
+        request.dequeue_next.request_id = f"dq-{uuid.uuid4().hex}"
+        if wait:
+            convert.float_to_duration(wait, request.dequeue_next.wait_timeout)
+        resp = await self._call("CompleteAttempt", request, timeout=self.config.timeout + (wait or 0))
+        return (
+            convert.attempt_from_pb(resp.attempt),
+            convert.rollout_from_pb(resp.rollout),
+            [convert.rollout_from_pb(r) for r in resp.next_rollouts],
+        )
+
+    @staticmethod
+    def _completion(
+        rollout_id: str,
+        attempt_id: str,
+        status: t.AttemptStatus | str | int,
+        message: str,
+        metadata: Mapping[str, Any] | None,
+        spans: Iterable[t.Span | span_pb2.Span],
+    ) -> pb.CompleteAttemptRequest:
         request = pb.CompleteAttemptRequest(
             rollout_id=rollout_id,
             attempt_id=attempt_id,
@@ -309,8 +354,12 @@ class StoreClient:
         )
         if metadata is not None:
             convert.dict_to_struct(metadata, request.metadata, "metadata")
-        resp = await self._call("CompleteAttempt", request)
-        return convert.attempt_from_pb(resp.attempt), convert.rollout_from_pb(resp.rollout)
+        for s in spans:
+            if isinstance(s, span_pb2.Span):
+                request.spans.append(s)
+            else:
+                convert.span_to_pb(s, request.spans.add())
+        return request
 
     async def update_attempt(
         self,

@@ -18,6 +18,7 @@ from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
 from lightning_grpc.v1 import store_service_pb2
 
 from .auth import BearerTokenInterceptor
+from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
 from .store_servicer import StoreServicer, add_store_service
 
 log = logging.getLogger("lightning_grpc.server")
@@ -99,7 +100,8 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         compression=grpc.Compression.Gzip if config.gzip_responses else None,
     )
     add_store_service(StoreServicer(store), server)
-    names = [STORE_SERVICE]
+    add_otlp_service(TraceServicer(store), server)
+    names = [STORE_SERVICE, TRACE_SERVICE]
     for name, add in config.extra_services:
         add(server)
         names.append(name)

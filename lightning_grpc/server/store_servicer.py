@@ -88,17 +88,19 @@ class StoreServicer(pb_grpc.StoreServiceServicer):
     async def DequeueRollouts(
         self, request: pb.DequeueRolloutsRequest, context: Ctx
     ) -> pb.DequeueRolloutsResponse:
+        resp = pb.DequeueRolloutsResponse()
+        for r in await self._dequeue(request, context):
+            convert.rollout_to_pb(r, resp.rollouts.add())
+        return resp
+
+    async def _dequeue(self, request: pb.DequeueRolloutsRequest, context: Ctx) -> list[Any]:
         wait = _wait(request, "wait_timeout")
         remaining = context.time_remaining()
         if wait is not None and remaining is not None:
             wait = max(0.0, min(wait, remaining - 0.05))  # answer before the caller's deadline
-        rollouts = await self.store.dequeue_rollouts(
+        return await self.store.dequeue_rollouts(
             request.worker_id, request.max_rollouts, wait, request.request_id
         )
-        resp = pb.DequeueRolloutsResponse()
-        for r in rollouts:
-            convert.rollout_to_pb(r, resp.rollouts.add())
-        return resp
 
     @unary
     async def StartAttempt(self, request: pb.StartAttemptRequest, context: Ctx) -> pb.StartAttemptResponse:
@@ -211,16 +213,25 @@ class StoreServicer(pb_grpc.StoreServiceServicer):
     async def CompleteAttempt(
         self, request: pb.CompleteAttemptRequest, context: Ctx
     ) -> pb.CompleteAttemptResponse:
+        nxt = request.dequeue_next if request.HasField("dequeue_next") else None
+        if nxt is not None:  # refuse a bad dequeue before anything is stored
+            self.store.check_dequeue(
+                nxt.worker_id, nxt.max_rollouts, _wait(nxt, "wait_timeout"), nxt.request_id
+            )
         attempt, rollout = await self.store.complete_attempt(
             request.rollout_id,
             request.attempt_id,
             request.status,
             request.message,
             convert.struct_to_dict(request.metadata) if request.HasField("metadata") else None,
+            span_records([s.SerializeToString() for s in request.spans]) if request.spans else None,
         )
         resp = pb.CompleteAttemptResponse()
         convert.attempt_to_pb(attempt, resp.attempt)
         convert.rollout_to_pb(rollout, resp.rollout)
+        if nxt is not None:
+            for r in await self._dequeue(nxt, context):
+                convert.rollout_to_pb(r, resp.next_rollouts.add())
         return resp
 
     # ------------------------------------------------------------ spans

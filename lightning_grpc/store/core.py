@@ -555,12 +555,8 @@ class Store:
     ) -> list[Rollout]:
         """Claim up to ``max_rollouts`` queued rollouts (FIFO), each with a new attempt, in one commit."""
         self._check_writable()
-        self._check_worker_id(worker_id)
-        self._check_limit(max_rollouts, "max_rollouts", MAX_BATCH_ROLLOUTS)
-        wait = self._check_wait(wait_timeout, "wait_timeout")
+        wait = self.check_dequeue(worker_id, max_rollouts, wait_timeout, request_id)
         if request_id:
-            if len(request_id) > 128:
-                raise InvalidArgumentError("request_id", "must be at most 128 characters")
             done = self._dequeue_requests.get(request_id)
             if done is not None:
                 await self._durable()
@@ -608,6 +604,16 @@ class Store:
                     del self._dequeue_requests[key]
         await self._apply(tx)
         return [self._snapshot(rs) for rs in claimed]
+
+    def check_dequeue(
+        self, worker_id: str, max_rollouts: int, wait_timeout: float | None, request_id: str = ""
+    ) -> float:
+        """Validate dequeue arguments; returns the wait in seconds."""
+        self._check_worker_id(worker_id)
+        self._check_limit(max_rollouts, "max_rollouts", MAX_BATCH_ROLLOUTS)
+        if len(request_id) > 128:
+            raise InvalidArgumentError("request_id", "must be at most 128 characters")
+        return self._check_wait(wait_timeout, "wait_timeout")
 
     def _begin_attempt(
         self, rs: RolloutState, worker_id: str, now: float, tx: Txn, request_id: str = ""
@@ -870,8 +876,12 @@ class Store:
         status: int,
         message: str = "",
         metadata: dict[str, Any] | None = None,
+        spans: list[SpanRecord] | None = None,
     ) -> tuple[Attempt, Rollout]:
-        """Report SUCCEEDED or FAILED for an attempt; only an active (hence latest) attempt can change."""
+        """Report SUCCEEDED or FAILED for an attempt; only an active (hence latest) attempt can change.
+
+        ``spans`` of the attempt are stored in the same commit as the outcome.
+        """
         self._check_writable()
         rs, ast = self._attempt(rollout_id, attempt_id)
         try:
@@ -896,6 +906,16 @@ class Store:
             )
         now = self.clock()
         tx = Txn()
+        if spans:
+            for record in spans:
+                if (record.rollout_id or rollout_id, record.attempt_id or attempt_id) != (
+                    rollout_id,
+                    attempt_id,
+                ):
+                    raise InvalidArgumentError(
+                        "spans", f"must belong to attempt {attempt_id} of rollout {rollout_id}"
+                    )
+            self._stage_spans(spans, rollout_id, attempt_id, tx)
         if extra:
             a.metadata = {**a.metadata, **extra}
         self._end_attempt(ast, outcome, message, now, tx)
@@ -1086,6 +1106,15 @@ class Store:
     ) -> AddSpansResult:
         """Store spans; a span id already stored in its attempt is skipped (so batches can be resent)."""
         self._check_writable()
+        tx = Txn()
+        result = self._stage_spans(records, rollout_id, attempt_id, tx)
+        await self._apply(tx)
+        return result
+
+    def _stage_spans(
+        self, records: list[SpanRecord], rollout_id: str, attempt_id: str, tx: Txn
+    ) -> AddSpansResult:
+        """Validate spans (refusing the whole batch on any fault), then add them to ``tx``."""
         if len(records) > MAX_BATCH_SPANS:
             raise InvalidArgumentError(
                 "spans", f"must hold at most {MAX_BATCH_SPANS} spans (got {len(records)})"
@@ -1151,7 +1180,6 @@ class Store:
                 batch_ids.setdefault(rec.attempt_id, set()).add(rec.span_id)
         self._ensure_memory(batch_bytes)
         # Pass 2: assign sequence ids and store.
-        tx = Txn()
         sequence_ids = [0] * len(records)
         stored = duplicates = 0
         stored_bytes = 0
@@ -1199,7 +1227,6 @@ class Store:
                 )
                 rs.bytes += share
             self._memory_bytes += stored_bytes
-        await self._apply(tx)
         return AddSpansResult(sequence_ids=sequence_ids, stored_count=stored, duplicate_count=duplicates)
 
     async def next_span_sequence_id(self, rollout_id: str, attempt_id: str, count: int = 1) -> int:

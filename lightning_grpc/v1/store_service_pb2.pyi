@@ -683,6 +683,8 @@ class CompleteAttemptRequest(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    SPANS_FIELD_NUMBER: _builtins.int
+    DEQUEUE_NEXT_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     attempt_id: _builtins.str
     status: _rollout_pb2.AttemptStatus.ValueType
@@ -693,6 +695,18 @@ class CompleteAttemptRequest(_message.Message):
     def metadata(self) -> _struct_pb2.Struct:
         """Merged into the attempt's metadata."""
 
+    @_builtins.property
+    def spans(self) -> _containers.RepeatedCompositeFieldContainer[_span_pb2.Span]:
+        """Spans of this attempt stored in the same commit as the outcome, so whoever sees the outcome
+        also sees them (same rules as AddSpans; empty rollout/attempt ids mean this attempt's).
+        """
+
+    @_builtins.property
+    def dequeue_next(self) -> Global___DequeueRolloutsRequest:
+        """When set, rollouts are claimed right after the outcome is stored, exactly as DequeueRollouts
+        would (worker id, count, wait, request id); they come back in next_rollouts.
+        """
+
     def __init__(
         self,
         *,
@@ -701,10 +715,12 @@ class CompleteAttemptRequest(_message.Message):
         status: _rollout_pb2.AttemptStatus.ValueType = ...,
         message: _builtins.str = ...,
         metadata: _struct_pb2.Struct | None = ...,
+        spans: _abc.Iterable[_span_pb2.Span] | None = ...,
+        dequeue_next: Global___DequeueRolloutsRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dequeue_next", b"dequeue_next", "metadata", b"metadata"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "message", b"message", "metadata", b"metadata", "rollout_id", b"rollout_id", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "dequeue_next", b"dequeue_next", "message", b"message", "metadata", b"metadata", "rollout_id", b"rollout_id", "spans", b"spans", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -718,19 +734,25 @@ class CompleteAttemptResponse(_message.Message):
 
     ATTEMPT_FIELD_NUMBER: _builtins.int
     ROLLOUT_FIELD_NUMBER: _builtins.int
+    NEXT_ROLLOUTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def attempt(self) -> _rollout_pb2.Attempt: ...
     @_builtins.property
     def rollout(self) -> _rollout_pb2.Rollout: ...
+    @_builtins.property
+    def next_rollouts(self) -> _containers.RepeatedCompositeFieldContainer[_rollout_pb2.Rollout]:
+        """The rollouts claimed by dequeue_next, each with its new attempt."""
+
     def __init__(
         self,
         *,
         attempt: _rollout_pb2.Attempt | None = ...,
         rollout: _rollout_pb2.Rollout | None = ...,
+        next_rollouts: _abc.Iterable[_rollout_pb2.Rollout] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "rollout", b"rollout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "rollout", b"rollout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "next_rollouts", b"next_rollouts", "rollout", b"rollout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

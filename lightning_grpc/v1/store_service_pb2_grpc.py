@@ -275,6 +275,8 @@ class StoreServiceServicer:
     def CompleteAttempt(self, request, context):
         """Reports the outcome of an attempt (SUCCEEDED, or FAILED with a message). Fenced by
         attempt id: only the latest attempt moves its rollout; an ended attempt cannot change.
+        It can also store the attempt's last spans in the same commit, and claim the worker's next
+        rollouts in the same call (one round trip per rollout for a busy runner).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -70,6 +70,8 @@ class StoreServiceStub:
     CompleteAttempt: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.CompleteAttemptRequest, _store_service_pb2.CompleteAttemptResponse]
     """Reports the outcome of an attempt (SUCCEEDED, or FAILED with a message). Fenced by
     attempt id: only the latest attempt moves its rollout; an ended attempt cannot change.
+    It can also store the attempt's last spans in the same commit, and claim the worker's next
+    rollouts in the same call (one round trip per rollout for a busy runner).
     """
     AddSpans: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.AddSpansRequest, _store_service_pb2.AddSpansResponse]
     """Stores a batch of spans. Spans already stored (same span id in the same attempt) are
@@ -153,6 +155,8 @@ class StoreServiceAsyncStub(StoreServiceStub):
     CompleteAttempt: _aio.UnaryUnaryMultiCallable[_store_service_pb2.CompleteAttemptRequest, _store_service_pb2.CompleteAttemptResponse]  # type: ignore[assignment]
     """Reports the outcome of an attempt (SUCCEEDED, or FAILED with a message). Fenced by
     attempt id: only the latest attempt moves its rollout; an ended attempt cannot change.
+    It can also store the attempt's last spans in the same commit, and claim the worker's next
+    rollouts in the same call (one round trip per rollout for a busy runner).
     """
     AddSpans: _aio.UnaryUnaryMultiCallable[_store_service_pb2.AddSpansRequest, _store_service_pb2.AddSpansResponse]  # type: ignore[assignment]
     """Stores a batch of spans. Spans already stored (same span id in the same attempt) are
@@ -305,6 +309,8 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_store_service_pb2.CompleteAttemptResponse, _abc.Awaitable[_store_service_pb2.CompleteAttemptResponse]]:
         """Reports the outcome of an attempt (SUCCEEDED, or FAILED with a message). Fenced by
         attempt id: only the latest attempt moves its rollout; an ended attempt cannot change.
+        It can also store the attempt's last spans in the same commit, and claim the worker's next
+        rollouts in the same call (one round trip per rollout for a busy runner).
         """
 
     @_abc_1.abstractmethod

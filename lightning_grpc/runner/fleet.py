@@ -1,0 +1,175 @@
+"""Many runners: several processes on this machine, or Ray actors across a cluster."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .agent import LitAgent, rollout
+from .runner import Runner, run_forever
+
+log = logging.getLogger("lightning_grpc.runner")
+
+
+def load_agent(ref: str) -> LitAgent:
+    """``package.module:name`` or ``path/to/file.py:name`` -> an agent (instance, class or function)."""
+    module_ref, sep, name = ref.partition(":")
+    if not sep or not name:
+        raise ValueError(f"agent reference {ref!r} must look like module:name or path/file.py:name")
+    if module_ref.endswith(".py"):
+        path = Path(module_ref).resolve()
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_ref)
+    try:
+        obj = getattr(module, name)
+    except AttributeError:
+        raise ImportError(f"{module_ref} has no attribute {name!r}") from None
+    if isinstance(obj, LitAgent):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, LitAgent):
+        return obj()
+    if callable(obj):
+        return rollout(obj)
+    raise TypeError(f"{ref} is neither an agent, an agent class, nor a function")
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything a runner process (or actor) needs to build its Runner."""
+
+    agent: str
+    store: str
+    concurrency: int = 1
+    token: str | None = None
+    max_rollouts: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, worker_suffix: str = "") -> Runner:
+        return Runner(
+            load_agent(self.agent),
+            self.store,
+            concurrency=self.concurrency,
+            token=self.token,
+            max_rollouts=self.max_rollouts,
+            **self.options,
+        )
+
+
+def _process_main(spec: RunnerSpec) -> None:
+    from lightning_grpc.cli.main import configure_logging
+
+    configure_logging(os.environ.get("LIGHTNING_GRPC_LOG_LEVEL", "INFO"))
+    run_forever(spec.build())
+
+
+def run_processes(spec: RunnerSpec, processes: int) -> int:
+    """Run ``processes`` runner processes until SIGTERM/SIGINT; returns 0 when all exited cleanly."""
+    if processes == 1:
+        run_forever(spec.build())
+        return 0
+    ctx = multiprocessing.get_context("spawn")  # gRPC is not fork-safe: children start fresh
+    children = [
+        ctx.Process(target=_process_main, args=(spec,), name=f"lightning-runner-{i}")
+        for i in range(processes)
+    ]
+    for child in children:
+        child.start()
+
+    def forward(signum: int, _frame: Any) -> None:
+        for child in children:
+            if child.pid and child.is_alive():
+                os.kill(child.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for child in children:
+        child.join()
+    codes = [c.exitcode for c in children]
+    log.info("event=fleet_exit processes=%d exit_codes=%s", processes, codes)
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+class RayFleet:
+    """Runners as Ray actors (one Runner per actor, each running ``concurrency`` rollouts at once)."""
+
+    def __init__(
+        self, spec: RunnerSpec, actors: int, *, address: str | None = None, num_cpus: float = 0.5
+    ) -> None:
+        import ray
+
+        self.ray = ray
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            root = str(Path.cwd())
+            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+            ray.init(
+                address=address,
+                runtime_env={"env_vars": {"PYTHONPATH": path}},
+                include_dashboard=False,
+                log_to_driver=True,
+                ignore_reinit_error=True,
+            )
+        actor_class: Any = ray.remote(num_cpus=num_cpus)(_RunnerActor)
+        self.actors: list[Any] = [actor_class.remote(spec) for _ in range(actors)]
+        self._runs = [actor.run.remote() for actor in self.actors]
+
+    def stop(self) -> None:
+        self.ray.get([actor.stop.remote() for actor in self.actors])
+
+    def wait(self, timeout: float | None = None) -> list[int]:
+        """Completed rollouts per actor once every actor has stopped."""
+        return list(self.ray.get(self._runs, timeout=timeout))
+
+    def shutdown(self) -> None:
+        """Kill the actors, and the local Ray session if this fleet started it."""
+        for actor in self.actors:
+            self.ray.kill(actor)
+        if self._owns_ray:
+            self.ray.shutdown()
+
+
+class _RunnerActor:
+    """The body of a Ray actor; methods are async so ``stop`` can reach a running ``run``."""
+
+    def __init__(self, spec: RunnerSpec) -> None:
+        self.spec = spec
+        self.runner: Runner | None = None
+        self._stopped = False
+
+    async def run(self) -> int:
+        self.runner = self.spec.build()
+        if self._stopped:
+            return 0
+        return await self.runner.run()
+
+    async def stop(self) -> None:
+        self._stopped = True
+        if self.runner is not None:
+            self.runner.stop()
+
+
+def run_ray(spec: RunnerSpec, actors: int, address: str | None) -> int:
+    fleet = RayFleet(spec, actors, address=address)
+
+    def stop(signum: int, _frame: Any) -> None:
+        fleet.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    counts = fleet.wait()
+    log.info("event=ray_fleet_exit actors=%d completed=%s", actors, counts)
+    return 0

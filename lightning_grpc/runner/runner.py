@@ -1,0 +1,435 @@
+"""The Runner: long-polls the Store for rollouts and runs up to N of them at once in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_grpc.client import ClientConfig, StoreClient
+from lightning_grpc.errors import FailedPreconditionError, LightningError, NotFoundError
+from lightning_grpc.tracing import (
+    AttemptContext,
+    LightningSpanProcessor,
+    SpanStreamer,
+    attempt_context,
+    emit_reward,
+    install_tracing,
+)
+from lightning_grpc.types import Resource, Rollout, RolloutMode
+
+from .agent import FunctionAgent, Hook, LitAgent, routed_resources
+from .agent import rollout as make_agent
+from .stats import system_snapshot
+
+log = logging.getLogger("lightning_grpc.runner")
+
+
+def default_worker_id() -> str:
+    """Unique across machines and processes: host, pid and a random suffix."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class RolloutOutcome:
+    rollout: Rollout
+    result: Any
+    error: BaseException | None
+    stopped_by_store: bool
+
+
+class Runner:
+    """Runs an agent on rollouts from the Store.
+
+    ``await runner.run()`` loops until :meth:`stop` (or SIGTERM with :meth:`install_signal_handlers`,
+    or ``max_rollouts``); ``async for outcome in runner.iter()`` yields each finished rollout;
+    ``await runner.step(input)`` runs one rollout right here. Each attempt is heartbeated; when the
+    Store says it must stop (cancelled, timed out), the agent is cancelled (async agents) or
+    told through :func:`lightning_grpc.tracing.should_stop` (sync agents, which run in threads).
+    """
+
+    def __init__(
+        self,
+        agent: LitAgent | Callable[..., Any],
+        store: str | ClientConfig = "127.0.0.1:4747",
+        *,
+        concurrency: int = 1,
+        worker_id: str | None = None,
+        heartbeat_interval: float = 5.0,
+        worker_heartbeat_interval: float = 10.0,
+        poll_wait: float = 2.0,
+        hooks: Sequence[Hook] = (),
+        max_rollouts: int | None = None,
+        drain_timeout: float = 30.0,
+        token: str | None = None,
+        include_gpu_stats: bool = True,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.agent: LitAgent = agent if isinstance(agent, LitAgent) else make_agent(agent)
+        self.config = store if isinstance(store, ClientConfig) else ClientConfig(target=store, token=token)
+        self.concurrency = concurrency
+        self.worker_id = worker_id or default_worker_id()
+        self.heartbeat_interval = heartbeat_interval
+        self.worker_heartbeat_interval = worker_heartbeat_interval
+        self.poll_wait = poll_wait
+        self.hooks = list(hooks)
+        self.max_rollouts = max_rollouts
+        self.drain_timeout = drain_timeout
+        self.include_gpu_stats = include_gpu_stats
+        self.completed = 0
+        self._stop = asyncio.Event() if _loop_running() else None
+        self._active: dict[str, asyncio.Task[RolloutOutcome]] = {}
+        self._outcomes: asyncio.Queue[RolloutOutcome] | None = None
+        self._client: StoreClient | None = None
+        self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lightning-agent")
+        self._resources: dict[str, Mapping[str, Resource]] = {}
+        self._processor: LightningSpanProcessor | None = None
+        self._streamer: SpanStreamer | None = None
+        self._started = False
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def client(self) -> StoreClient:
+        assert self._client is not None, "the runner is not started"
+        return self._client
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._stop = self._stop or asyncio.Event()
+        self._outcomes = asyncio.Queue()
+        self._client = StoreClient(self.config)
+        self._processor = install_tracing()
+        self._streamer = self._processor.streamer_for(self.config.target, self.config.token)
+        await _maybe_await(self.agent.setup())
+        self._worker_task = asyncio.create_task(self._worker_heartbeats(), name="lightning-worker-heartbeat")
+        log.info(
+            "event=runner_started worker_id=%s concurrency=%d store=%s",
+            self.worker_id,
+            self.concurrency,
+            self.config.target,
+        )
+
+    def stop(self) -> None:
+        """Stop taking new rollouts; running ones finish (up to ``drain_timeout``)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+
+    async def close(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        self._worker_task.cancel()
+        await _maybe_await(self.agent.teardown())
+        if self._streamer is not None:
+            await self._streamer.aflush(timeout=10)
+        if self._client is not None:
+            await self._client.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        log.info("event=runner_stopped worker_id=%s completed=%d", self.worker_id, self.completed)
+
+    # ---------------------------------------------------------------- loop mode
+    async def run(self) -> int:
+        """Take and run rollouts until stopped; returns how many this runner finished."""
+        await self.start()
+        assert self._stop is not None
+        try:
+            while not self._stop.is_set() and not self._reached_max():
+                free = self.concurrency - len(self._active)
+                if self.max_rollouts is not None:
+                    free = min(free, self.max_rollouts - self.completed - len(self._active))
+                if free <= 0:
+                    await asyncio.wait(
+                        [*self._active.values(), asyncio.ensure_future(self._stop.wait())],
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    continue
+                try:
+                    claimed = await self.client.dequeue_rollouts(
+                        free, worker_id=self.worker_id, wait=self.poll_wait
+                    )
+                except LightningError as exc:
+                    log.warning("event=dequeue_failed worker_id=%s error=%s", self.worker_id, exc)
+                    await asyncio.sleep(min(self.poll_wait, 1.0))
+                    continue
+                for r in claimed:
+                    self._launch(r)
+            await self._drain()
+        finally:
+            await self.close()
+        return self.completed
+
+    async def iter(self) -> AsyncIterator[RolloutOutcome]:
+        """Loop mode yielding each finished rollout."""
+        await self.start()
+        assert self._outcomes is not None
+        loop_task = asyncio.create_task(self.run())
+        try:
+            while not (loop_task.done() and self._outcomes.empty()):
+                getter = asyncio.ensure_future(self._outcomes.get())
+                done, _ = await asyncio.wait([getter, loop_task], return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            await loop_task
+        finally:
+            if not loop_task.done():
+                self.stop()
+                await loop_task
+
+    # ---------------------------------------------------------------- step mode
+    async def step(
+        self,
+        input: Any,
+        *,
+        resources: Mapping[str, Resource] | None = None,
+        mode: RolloutMode | str | None = None,
+        **spec: Any,
+    ) -> RolloutOutcome:
+        """Run one rollout in this process now (created with start_rollout); returns its outcome."""
+        await self.start()
+        if resources is not None:
+            spec["resources_id"] = (await self.client.add_resources(resources)).resources_id
+        r = await self.client.start_rollout(input, worker_id=self.worker_id, mode=mode, **spec)
+        return await self._run_one(r)
+
+    # ---------------------------------------------------------------- one rollout
+    def _reached_max(self) -> bool:
+        return self.max_rollouts is not None and self.completed >= self.max_rollouts
+
+    def _launch(self, r: Rollout) -> None:
+        task = asyncio.create_task(self._run_one(r), name=f"rollout-{r.rollout_id}")
+        self._active[r.rollout_id] = task
+        task.add_done_callback(functools.partial(self._forget, r.rollout_id))
+
+    def _forget(self, rollout_id: str, _task: asyncio.Task[RolloutOutcome]) -> None:
+        self._active.pop(rollout_id, None)
+
+    async def _run_one(self, r: Rollout) -> RolloutOutcome:
+        attempt = r.latest_attempt
+        assert attempt is not None, "a claimed rollout has an attempt"
+        ctx = AttemptContext(r.rollout_id, attempt.attempt_id)
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            resources = routed_resources(await self._resources_of(r), r)
+        except LightningError as exc:
+            error = exc
+            resources = {}
+        await self._call_hooks("on_rollout_start", r)
+        agent_task: asyncio.Task[Any] | None = None
+        heartbeat: asyncio.Task[None] | None = None
+        if self._processor is not None and self._streamer is not None:
+            self._processor.route(ctx.attempt_id, self._streamer)
+        with attempt_context(ctx):
+            await self._call_hooks("on_trace_start", r)
+            if error is None:
+                agent_task = asyncio.create_task(self._invoke(r, resources))
+                heartbeat = asyncio.create_task(self._heartbeat(ctx, agent_task))
+                try:
+                    result = await agent_task
+                except asyncio.CancelledError:
+                    if not ctx.stop.is_set():
+                        raise
+                except Exception as exc:
+                    error = exc
+                finally:
+                    heartbeat.cancel()
+                if error is None and result is not None and not ctx.stop.is_set():
+                    try:
+                        _record_result(result)
+                    except (TypeError, ValueError) as exc:
+                        error = exc
+            await self._call_hooks("on_trace_end", r)
+        if self._streamer is not None:
+            stored = await self._streamer.aflush(r.rollout_id, attempt.attempt_id, timeout=30)
+            if not stored:
+                log.warning(
+                    "event=spans_not_flushed rollout_id=%s attempt_id=%s", r.rollout_id, attempt.attempt_id
+                )
+        final = await self._report(r, ctx, error)
+        if self._processor is not None:
+            self._processor.unroute(ctx.attempt_id)
+        outcome = RolloutOutcome(final, result, error, ctx.stop.is_set())
+        await self._call_hooks("on_rollout_end", final, result, error)
+        self.completed += 1
+        if self._outcomes is not None:
+            self._outcomes.put_nowait(outcome)
+        return outcome
+
+    async def _invoke(self, r: Rollout, resources: Mapping[str, Resource]) -> Any:
+        method = self.agent.training_rollout if r.mode == RolloutMode.TRAIN else self.agent.validation_rollout
+        # A function agent's rollout() returns the coroutine of an async function: no thread needed.
+        if inspect.iscoroutinefunction(method) or (
+            isinstance(self.agent, FunctionAgent) and self.agent.is_async
+        ):
+            return await _maybe_await(method(r.input, resources, r))
+        loop = asyncio.get_running_loop()
+        call = functools.partial(contextvars.copy_context().run, method, r.input, resources, r)
+        return await _maybe_await(await loop.run_in_executor(self._executor, call))
+
+    async def _resources_of(self, r: Rollout) -> Mapping[str, Resource]:
+        if not r.resources_id:
+            return {}
+        cached = self._resources.get(r.resources_id)
+        if cached is None:
+            cached = (await self.client.get_resources(r.resources_id)).resources
+            self._resources[r.resources_id] = cached
+        return cached
+
+    async def _heartbeat(self, ctx: AttemptContext, agent_task: asyncio.Task[Any]) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                beat = await self.client.heartbeat_attempt(ctx.rollout_id, ctx.attempt_id)
+            except LightningError as exc:
+                log.warning("event=heartbeat_failed attempt_id=%s error=%s", ctx.attempt_id, exc)
+                continue
+            if beat.should_stop:
+                why = "cancelled" if beat.cancelled else f"attempt {beat.attempt.status}"
+                log.info(
+                    "event=attempt_stopping rollout_id=%s attempt_id=%s why=%s",
+                    ctx.rollout_id,
+                    ctx.attempt_id,
+                    why,
+                )
+                ctx.stop.set()
+                agent_task.cancel()
+                return
+
+    async def _report(self, r: Rollout, ctx: AttemptContext, error: BaseException | None) -> Rollout:
+        attempt_id = ctx.attempt_id
+        try:
+            if ctx.stop.is_set():
+                return await self.client.get_rollout(r.rollout_id)
+            if error is None:
+                _, final = await self.client.complete_attempt(r.rollout_id, attempt_id, "succeeded")
+            else:
+                message = f"{type(error).__name__}: {error}"[:4000]
+                _, final = await self.client.complete_attempt(r.rollout_id, attempt_id, "failed", message)
+            return final
+        except (FailedPreconditionError, NotFoundError) as exc:
+            log.info(
+                "event=report_refused rollout_id=%s attempt_id=%s reason=%s",
+                r.rollout_id,
+                attempt_id,
+                exc.reason,
+            )
+            try:
+                return await self.client.get_rollout(r.rollout_id)
+            except LightningError:
+                return r
+
+    async def _drain(self) -> None:
+        if not self._active:
+            return
+        log.info("event=runner_draining worker_id=%s active=%d", self.worker_id, len(self._active))
+        _, pending = await asyncio.wait(list(self._active.values()), timeout=self.drain_timeout)
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            rid = task.get_name().removeprefix("rollout-")
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+            await self._release(rid)
+
+    async def _release(self, rollout_id: str) -> None:
+        """Give back an attempt the runner could not finish: it fails, and is retried per its policy."""
+        try:
+            r = await self.client.get_rollout(rollout_id)
+            if r.latest_attempt is not None and r.latest_attempt.status.is_active:
+                await self.client.complete_attempt(
+                    rollout_id,
+                    r.latest_attempt.attempt_id,
+                    "failed",
+                    "released: the runner stopped before it finished",
+                )
+        except LightningError as exc:
+            log.warning("event=release_failed rollout_id=%s error=%s", rollout_id, exc)
+
+    async def _worker_heartbeats(self) -> None:
+        while True:
+            try:
+                stats = await asyncio.to_thread(system_snapshot, self.include_gpu_stats)
+                stats["active_rollouts"] = len(self._active)
+                stats["completed_rollouts"] = self.completed
+                await self.client.update_worker(self.worker_id, stats)
+            except LightningError as exc:
+                log.warning("event=worker_heartbeat_failed worker_id=%s error=%s", self.worker_id, exc)
+            except Exception as exc:  # stats must never stop the runner
+                log.warning("event=worker_stats_failed error=%r", exc)
+            await asyncio.sleep(self.worker_heartbeat_interval)
+
+    async def _call_hooks(self, name: str, *args: Any) -> None:
+        for hook in self.hooks:
+            try:
+                await _maybe_await(getattr(hook, name)(*args))
+            except Exception as exc:
+                log.warning("event=hook_failed hook=%s method=%s error=%r", type(hook).__name__, name, exc)
+
+
+def _record_result(result: Any) -> None:
+    """A returned reward becomes a reward span of the attempt."""
+    if isinstance(result, bool):
+        raise TypeError("an agent returned a bool; return a float reward, a mapping of rewards, or None")
+    if isinstance(result, int | float):
+        emit_reward(float(result))
+    elif isinstance(result, Mapping):
+        emit_reward(result, primary=next(iter(result)) if len(result) > 1 else None)
+    else:
+        raise TypeError(
+            f"an agent returned {type(result).__name__}; return a float reward, a mapping, or None"
+        )
+
+
+async def _maybe_await(value: Any) -> Any:
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def run_forever(runner: Runner) -> int:
+    """Run a runner in this process until SIGTERM/SIGINT (or its max_rollouts)."""
+
+    async def main() -> int:
+        runner.install_signal_handlers()
+        return await runner.run()
+
+    started = time.monotonic()
+    count = asyncio.run(main())
+    log.info(
+        "event=runner_exit worker_id=%s completed=%d seconds=%.1f",
+        runner.worker_id,
+        count,
+        time.monotonic() - started,
+    )
+    return count

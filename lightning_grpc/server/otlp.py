@@ -1,0 +1,374 @@
+"""OpenTelemetry OTLP/gRPC ``TraceService/Export`` on the Store's server: spans from any OTel SDK.
+
+A thin translation, like the StoreService servicer: each OTLP span becomes a serialized
+``lightning.v1.Span`` (ids as lowercase hex, resource attributes in ``Span.resource``, homogeneous
+int and float arrays packed) and goes to :meth:`Store.add_spans`, one batch per rollout attempt.
+
+Attribution (see :mod:`lightning_grpc.semconv`): each of the rollout id and the attempt id is taken
+from the span's attributes, else from its resource's attributes, else from the request's gRPC
+metadata. Spans that cannot be stored for a reason of their own (no attribution, an unknown
+attempt, malformed ids, too large) are counted in ``partial_success`` with the reasons, and the rest
+of the request is stored; transient store failures end the call with their status (UNAVAILABLE)
+so that exporters retry, which is safe because a resent span is stored once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp_service
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
+from opentelemetry.proto.common.v1 import common_pb2 as otlp_common
+from opentelemetry.proto.trace.v1 import trace_pb2 as otlp_trace
+
+from lightning_grpc import convert, semconv
+from lightning_grpc.errors import (
+    InvalidArgumentError,
+    LightningError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from lightning_grpc.store import SpanRecord, Store
+from lightning_grpc.store.core import MAX_BATCH_SPANS
+from lightning_grpc.v1 import common_pb2, span_pb2
+
+from .adapter import unary
+
+log = logging.getLogger("lightning_grpc.server")
+
+Ctx = grpc.aio.ServicerContext
+TRACE_SERVICE = otlp_service.DESCRIPTOR.services_by_name["TraceService"].full_name
+
+#: Span attributes that carry the instrumentation scope (OpenTelemetry's names for non-OTLP formats).
+SCOPE_NAME = "otel.scope.name"
+SCOPE_VERSION = "otel.scope.version"
+#: Requests larger than this (serialized) are converted in a worker thread.
+THREAD_BYTES = 1024 * 1024
+#: At most this many distinct reasons are spelled out in ``partial_success.error_message``.
+MAX_REASONS = 10
+
+_ATTRIBUTION_KEYS = (
+    semconv.ROLLOUT_ID,
+    semconv.ATTEMPT_ID,
+    semconv.LEGACY_ROLLOUT_ID,
+    semconv.LEGACY_ATTEMPT_ID,
+)
+_SCALARS = frozenset({"string_value", "bool_value", "int_value", "double_value", "bytes_value"})
+_KIND_NAMES = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
+_KINDS = {
+    otlp_trace.Span.SpanKind.Value(f"SPAN_KIND_{n}"): span_pb2.SpanKind.Value(f"SPAN_KIND_{n}")
+    for n in _KIND_NAMES
+}
+_STATUS_CODES = {
+    otlp_trace.Status.STATUS_CODE_UNSET: span_pb2.SPAN_STATUS_CODE_UNSPECIFIED,
+    otlp_trace.Status.STATUS_CODE_OK: span_pb2.SPAN_STATUS_CODE_OK,
+    otlp_trace.Status.STATUS_CODE_ERROR: span_pb2.SPAN_STATUS_CODE_ERROR,
+}
+_SPAN_PREFIX = re.compile(r"^spans\[\d+\][.\s]?")
+
+UNATTRIBUTED = (
+    f"had no {semconv.ROLLOUT_ID}/{semconv.ATTEMPT_ID} "
+    f"(span or resource attribute, or {semconv.ROLLOUT_ID_HEADER}/{semconv.ATTEMPT_ID_HEADER} header)"
+)
+MALFORMED_IDS = "had malformed ids (trace id must be 16 bytes, span id 8, parent span id 8 or none)"
+BAD_SEQUENCE_ID = f"had a {semconv.SPAN_SEQUENCE_ID} that is not a non-negative integer"
+
+# ------------------------------------------------------------------ values
+
+
+def convert_value(src: otlp_common.AnyValue, out: common_pb2.AnyValue) -> None:
+    """One OTLP value into ours; an unset value (or a dictionary index, meaningless here) stays unset."""
+    kind = src.WhichOneof("value")
+    if kind in _SCALARS:
+        setattr(out, kind, getattr(src, kind))
+    elif kind == "array_value":
+        _convert_array(src.array_value.values, out)
+    elif kind == "kvlist_value":
+        kvlist = out.kvlist_value
+        kvlist.SetInParent()
+        for item in src.kvlist_value.values:
+            convert_value(item.value, kvlist.values.add(key=item.key).value)
+
+
+def _convert_array(values: Sequence[otlp_common.AnyValue], out: common_pb2.AnyValue) -> None:
+    """Homogeneous int and float arrays are packed; anything else stays a list of values."""
+    kinds = {v.WhichOneof("value") for v in values}
+    if kinds == {"int_value"}:
+        out.int_array_value.values.extend([v.int_value for v in values])
+    elif kinds == {"double_value"}:
+        out.double_array_value.values.extend([v.double_value for v in values])
+    else:
+        array = out.array_value
+        array.SetInParent()
+        for v in values:
+            convert_value(v, array.values.add())
+
+
+def convert_attributes(src: Iterable[otlp_common.KeyValue], out: Any) -> None:
+    """OTLP key/values into a ``map<string, AnyValue>``; a repeated key keeps its last value."""
+    for kv in src:
+        entry = out[kv.key]
+        entry.Clear()
+        convert_value(kv.value, entry)
+
+
+def _attribution(attributes: Mapping[str, common_pb2.AnyValue]) -> tuple[str, str]:
+    present = {k: convert.any_to_python(attributes[k]) for k in _ATTRIBUTION_KEYS if k in attributes}
+    return semconv.attribution(present) if present else ("", "")
+
+
+def _first(*candidates: tuple[str, str]) -> tuple[str, str]:
+    """Each id from the first source that names it."""
+    rollout_id = next((c[0] for c in candidates if c[0]), "")
+    attempt_id = next((c[1] for c in candidates if c[1]), "")
+    return rollout_id, attempt_id
+
+
+def _header_attribution(context: Ctx) -> tuple[str, str]:
+    found: dict[str, str] = {}
+    for key, value in context.invocation_metadata() or ():
+        if key in (semconv.ROLLOUT_ID_HEADER, semconv.ATTEMPT_ID_HEADER) and isinstance(value, str):
+            found.setdefault(key, value.strip())
+    return found.get(semconv.ROLLOUT_ID_HEADER, ""), found.get(semconv.ATTEMPT_ID_HEADER, "")
+
+
+# ------------------------------------------------------------------ spans
+
+
+class Rejected(Exception):
+    """A span that cannot be stored, with the reason (a predicate: "had no ...")."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def _hex_id(raw: bytes, size: int, optional: bool = False) -> str:
+    if optional and (not raw or raw == bytes(size)):
+        return ""
+    if len(raw) != size or raw == bytes(size):
+        raise Rejected(MALFORMED_IDS)
+    return raw.hex()
+
+
+def _sequence_id(attributes: Mapping[str, common_pb2.AnyValue]) -> int:
+    if semconv.SPAN_SEQUENCE_ID not in attributes:
+        return 0
+    value = attributes[semconv.SPAN_SEQUENCE_ID]
+    if value.WhichOneof("value") != "int_value" or value.int_value < 0:
+        raise Rejected(BAD_SEQUENCE_ID)
+    return value.int_value
+
+
+def convert_span(src: otlp_trace.Span, scope: otlp_common.InstrumentationScope) -> span_pb2.Span:
+    """An OTLP span as ours, not yet attributed and without its resource."""
+    span = span_pb2.Span(
+        trace_id=_hex_id(src.trace_id, 16),
+        span_id=_hex_id(src.span_id, 8),
+        parent_span_id=_hex_id(src.parent_span_id, 8, optional=True),
+        name=src.name,
+        kind=_KINDS.get(src.kind, span_pb2.SPAN_KIND_UNSPECIFIED),
+        start_time_unix_nano=src.start_time_unix_nano,
+        end_time_unix_nano=src.end_time_unix_nano,
+    )
+    if src.HasField("status"):
+        span.status.code = _STATUS_CODES.get(src.status.code, span_pb2.SPAN_STATUS_CODE_UNSPECIFIED)
+        span.status.message = src.status.message
+    convert_attributes(src.attributes, span.attributes)
+    if scope.name and SCOPE_NAME not in span.attributes:
+        span.attributes[SCOPE_NAME].string_value = scope.name
+        if scope.version and SCOPE_VERSION not in span.attributes:
+            span.attributes[SCOPE_VERSION].string_value = scope.version
+    for event in src.events:
+        converted = span.events.add(name=event.name, time_unix_nano=event.time_unix_nano)
+        convert_attributes(event.attributes, converted.attributes)
+    for link in src.links:
+        # Link ids are kept whatever their length: the store does not index them.
+        converted_link = span.links.add(trace_id=link.trace_id.hex(), span_id=link.span_id.hex())
+        convert_attributes(link.attributes, converted_link.attributes)
+    return span
+
+
+def _record(span: span_pb2.Span, resource_bytes: bytes) -> SpanRecord:
+    # A serialized Span followed by a serialized Span holding only the resource parses as one Span.
+    return SpanRecord(
+        span.rollout_id,
+        span.attempt_id,
+        span.span_id,
+        span.trace_id,
+        span.parent_span_id,
+        span.name,
+        span.start_time_unix_nano,
+        span.end_time_unix_nano,
+        span.SerializeToString() + resource_bytes,
+        span.sequence_id,
+    )
+
+
+class Rejections:
+    """Counts of refused spans by reason, in the order the reasons were first met."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, count: int, why: str) -> None:
+        self.counts[why] = self.counts.get(why, 0) + count
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def message(self) -> str:
+        reasons = list(self.counts.items())
+        parts = [f"{n} {'span' if n == 1 else 'spans'} {why}" for why, n in reasons[:MAX_REASONS]]
+        rest = reasons[MAX_REASONS:]
+        if rest:
+            parts.append(f"{sum(n for _, n in rest)} more spans for {len(rest)} other reasons")
+        return "; ".join(parts)
+
+
+Batches = dict[tuple[str, str], list[SpanRecord]]
+
+
+def group_spans(
+    request: otlp_service.ExportTraceServiceRequest, headers: tuple[str, str], rejections: Rejections
+) -> Batches:
+    """Convert and attribute every span of a request, grouped by (rollout id, attempt id)."""
+    batches: Batches = {}
+    for resource_spans in request.resource_spans:
+        holder = span_pb2.Span()
+        convert_attributes(resource_spans.resource.attributes, holder.resource)
+        resource_bytes = holder.SerializeToString()
+        from_resource = _attribution(holder.resource)
+        for scope_spans in resource_spans.scope_spans:
+            for src in scope_spans.spans:
+                try:
+                    span = convert_span(src, scope_spans.scope)
+                    span.sequence_id = _sequence_id(span.attributes)
+                except Rejected as exc:
+                    rejections.add(1, exc.why)
+                    continue
+                key = _first(_attribution(span.attributes), from_resource, headers)
+                if not key[0] or not key[1]:
+                    rejections.add(1, UNATTRIBUTED)
+                    continue
+                span.rollout_id, span.attempt_id = key
+                batches.setdefault(key, []).append(_record(span, resource_bytes))
+    return batches
+
+
+# ------------------------------------------------------------------ storing
+
+
+def _unknown(rollout_id: str, attempt_id: str, exc: NotFoundError) -> str:
+    if exc.reason == "ROLLOUT_NOT_FOUND":
+        return f"named unknown rollout {rollout_id}"
+    return f"named unknown attempt {attempt_id} of rollout {rollout_id}"
+
+
+def _span_fault(exc: LightningError) -> bool:
+    """Whether the store refused a batch for something about one of its spans."""
+    if isinstance(exc, ResourceExhaustedError):
+        return exc.reason == "SPAN_TOO_LARGE"
+    return isinstance(exc, InvalidArgumentError)
+
+
+def _lasting(exc: LightningError) -> bool:
+    """Whether retrying the same spans cannot help (so they are reported, not retried)."""
+    return exc.code_name in ("FAILED_PRECONDITION", "ALREADY_EXISTS", "OUT_OF_RANGE")
+
+
+async def store_batch(
+    store: Store, key: tuple[str, str], records: list[SpanRecord], rejections: Rejections
+) -> None:
+    """Store one attempt's spans, counting in ``rejections`` those the store refuses for good.
+
+    When the store refuses the batch for one of its spans, the batch is halved until the culprits
+    are alone, so that one bad span does not cost the others. Transient errors propagate.
+    """
+    try:
+        await store.add_spans(records, *key)
+    except NotFoundError as exc:
+        rejections.add(len(records), _unknown(*key, exc))
+    except LightningError as exc:
+        if _span_fault(exc) and len(records) > 1:
+            half = len(records) // 2
+            await store_batch(store, key, records[:half], rejections)
+            await store_batch(store, key, records[half:], rejections)
+        elif _span_fault(exc) or _lasting(exc):
+            rejections.add(len(records), _refusal(store, exc))
+        else:
+            raise
+
+
+def _refusal(store: Store, exc: LightningError) -> str:
+    if exc.reason == "SPAN_TOO_LARGE":
+        return f"exceeded the store's limit of {store.max_span_bytes} bytes per span"
+    return f"could not be stored: {_SPAN_PREFIX.sub('', exc.message)}"
+
+
+class TraceServicer(otlp_grpc.TraceServiceServicer):
+    """``opentelemetry.proto.collector.trace.v1.TraceService`` over the store core."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @unary
+    async def Export(self, request: Any, context: Ctx) -> otlp_service.ExportTraceServiceResponse:
+        """``request`` is the serialized request (see :func:`add_otlp_service`) or a parsed one."""
+        rejections = Rejections()
+        headers = _header_attribution(context)
+        if isinstance(request, bytes) and len(request) > THREAD_BYTES:
+            # Converting is pure CPU and touches no store state: off the loop, other calls go on.
+            batches = await asyncio.to_thread(decode_and_group, request, headers, rejections)
+        else:
+            batches = decode_and_group(request, headers, rejections)
+        for key, records in batches.items():
+            for start in range(0, len(records), MAX_BATCH_SPANS):
+                await store_batch(self.store, key, records[start : start + MAX_BATCH_SPANS], rejections)
+        response = otlp_service.ExportTraceServiceResponse()
+        if rejections.total:
+            response.partial_success.rejected_spans = rejections.total
+            response.partial_success.error_message = rejections.message()
+            log.warning(
+                "event=otlp_spans_rejected rejected=%d why=%r", rejections.total, rejections.message()
+            )
+        return response
+
+
+def decode_and_group(request: Any, headers: tuple[str, str], rejections: Rejections) -> Batches:
+    if isinstance(request, bytes):
+        request = parse_request(request)
+    return group_spans(request, headers, rejections)
+
+
+def parse_request(data: bytes) -> otlp_service.ExportTraceServiceRequest:
+    try:
+        return otlp_service.ExportTraceServiceRequest.FromString(data)
+    except DecodeError as exc:
+        raise InvalidArgumentError("request", f"is not an OTLP ExportTraceServiceRequest: {exc}") from None
+
+
+def add_otlp_service(servicer: TraceServicer, server: grpc.aio.Server) -> None:
+    """Register TraceService as the generated helper does, but parse requests in the handler.
+
+    An undecodable request then answers INVALID_ARGUMENT rather than gRPC's UNKNOWN.
+    """
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        "Export": grpc.unary_unary_rpc_method_handler(
+            servicer.Export,
+            request_deserializer=None,
+            response_serializer=otlp_service.ExportTraceServiceResponse.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(TRACE_SERVICE, handlers),))
+    server.add_registered_method_handlers(TRACE_SERVICE, handlers)
+
+
+__all__ = ["TRACE_SERVICE", "TraceServicer", "add_otlp_service", "convert_span", "convert_value"]

@@ -1,0 +1,65 @@
+"""Tracing: spans of agents (and of the libraries they use) into the Store, per attempt."""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+
+from .context import AttemptContext, attempt_context, current_attempt, should_stop
+from .emitters import (
+    emit_annotation,
+    emit_exception,
+    emit_message,
+    emit_object,
+    emit_reward,
+    operation,
+)
+from .processor import LightningSpanProcessor, span_to_message
+from .streamer import SpanStreamer
+
+_processor: LightningSpanProcessor | None = None
+
+
+def install_tracing(
+    target: str | None = None, *, token: str | None = None, service_name: str = "lightning-runner"
+) -> LightningSpanProcessor:
+    """Send spans made anywhere in this process to the Store (idempotent; returns the one processor).
+
+    Adds the process's :class:`LightningSpanProcessor` to the global SDK tracer provider (creating
+    one when the process has none yet), so spans of instrumented libraries are captured too. With
+    ``target``, a streamer to that Store is opened (the first becomes the default destination).
+    """
+    global _processor
+    if _processor is None:
+        _processor = LightningSpanProcessor()
+        provider = trace.get_tracer_provider()
+        if not isinstance(provider, TracerProvider):
+            trace.set_tracer_provider(
+                TracerProvider(resource=Resource.create({"service.name": service_name}))
+            )
+            provider = trace.get_tracer_provider()
+        if not isinstance(provider, TracerProvider):
+            raise RuntimeError("a tracer provider that is not the OpenTelemetry SDK's is installed globally")
+        provider.add_span_processor(_processor)
+    if target is not None:
+        _processor.streamer_for(target, token)
+    return _processor
+
+
+__all__ = [
+    "AttemptContext",
+    "LightningSpanProcessor",
+    "SpanStreamer",
+    "attempt_context",
+    "current_attempt",
+    "emit_annotation",
+    "emit_exception",
+    "emit_message",
+    "emit_object",
+    "emit_reward",
+    "install_tracing",
+    "operation",
+    "should_stop",
+    "span_to_message",
+]
