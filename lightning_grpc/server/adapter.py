@@ -18,7 +18,14 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from lightning_grpc.errors import ERROR_DOMAIN, STATUS_OF, InternalError, LightningError
+from lightning_grpc.errors import (
+    ERROR_DOMAIN,
+    STATUS_OF,
+    InternalError,
+    InvalidArgumentError,
+    LightningError,
+    UnavailableError,
+)
 
 log = logging.getLogger("lightning_grpc.server")
 
@@ -26,14 +33,23 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
+MAX_MESSAGE_CHARS = 1000
+MAX_METADATA_CHARS = 200
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def status_for(error: LightningError) -> grpc.Status:
+    """The rich status of a domain error. Echoed values are clipped: details travel in headers."""
     code = grpc.StatusCode[STATUS_OF.get(type(error), error.code_name)]
-    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata)
+    metadata = {k: _clip(v, MAX_METADATA_CHARS) for k, v in error.metadata.items()}
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    return rpc_status.to_status(
-        status_pb2.Status(code=code.value[0], message=error.message, details=[detail])
-    )
+    message = _clip(error.message, MAX_MESSAGE_CHARS)
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
 
 
 async def abort(context: grpc.aio.ServicerContext, error: LightningError) -> None:
@@ -45,6 +61,46 @@ def _internal(method: str, exc: BaseException) -> LightningError:
     return InternalError("internal error in the store; the server log has the details", reason="INTERNAL")
 
 
+class Undecodable:
+    """Stands for a request message that could not be parsed (answered INVALID_ARGUMENT)."""
+
+    __slots__ = ("type_name",)
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+    def error(self) -> LightningError:
+        return InvalidArgumentError("request", f"is not a valid {self.type_name} message")
+
+
+def tolerant_parser(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises: bad bytes become :class:`Undecodable`."""
+    parse = message_class.FromString
+    name = message_class.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception:
+            return Undecodable(name)
+
+    return deserialize
+
+
+class ServicerState:
+    """What the adapter tracks per servicer: calls in flight, and whether the server is draining."""
+
+    in_flight: int = 0
+    shutting_down: bool = False
+
+
+def _refuse_if_draining(servicer: Any) -> None:
+    if getattr(servicer, "shutting_down", False):
+        raise UnavailableError(
+            "the server is shutting down; retry on another server or later", reason="SHUTTING_DOWN"
+        )
+
+
 def unary(
     fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
@@ -52,7 +108,11 @@ def unary(
 
     @functools.wraps(fn)
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        self.in_flight = getattr(self, "in_flight", 0) + 1
         try:
+            _refuse_if_draining(self)
+            if isinstance(request, Undecodable):
+                raise request.error()
             return await fn(self, request, context)
         except LightningError as exc:
             await abort(context, exc)
@@ -60,6 +120,8 @@ def unary(
             raise
         except Exception as exc:
             await abort(context, _internal(fn.__name__, exc))
+        finally:
+            self.in_flight -= 1
         raise AssertionError("unreachable")  # abort raises
 
     return handler
@@ -72,7 +134,11 @@ def streaming(
 
     @functools.wraps(fn)
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
+        self.in_flight = getattr(self, "in_flight", 0) + 1
         try:
+            _refuse_if_draining(self)
+            if isinstance(request, Undecodable):
+                raise request.error()
             async for item in fn(self, request, context):
                 yield item
         except LightningError as exc:
@@ -81,5 +147,7 @@ def streaming(
             raise
         except Exception as exc:
             await abort(context, _internal(fn.__name__, exc))
+        finally:
+            self.in_flight -= 1
 
     return handler

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
 from lightning_grpc.v1 import store_service_pb2
 
+from .adapter import ServicerState
 from .auth import BearerTokenInterceptor
 from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
 from .store_servicer import StoreServicer, add_store_service
@@ -63,17 +64,33 @@ class RunningServer:
     port: int
     config: ServerConfig
     service_names: tuple[str, ...]
+    #: Servicers whose calls the drain waits for (extra services may add theirs).
+    servicers: list[ServicerState] = field(default_factory=list)
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
     async def stop(self) -> None:
-        """Drain: NOT_SERVING, end long-polls and watches, let calls finish, commit, close."""
+        """Drain, then stop.
+
+        Health turns NOT_SERVING; new calls are refused with UNAVAILABLE (which clients retry);
+        long-polls and watches end; calls in flight get up to ``grace`` seconds to finish; then
+        the server stops and the store commits and closes.
+        """
         log.info("event=server_draining address=%s grace=%.1f", self.address, self.config.grace)
         await self.health.enter_graceful_shutdown()
+        for servicer in self.servicers:
+            servicer.shutting_down = True
         self.store.begin_shutdown()
-        await self.server.stop(self.config.grace)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.grace
+        while any(s.in_flight for s in self.servicers) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        left = sum(s.in_flight for s in self.servicers)
+        if left:
+            log.warning("event=server_drain_timeout address=%s calls_cancelled=%d", self.address, left)
+        await self.server.stop(0.2)
         await self.store.close()
         log.info("event=server_stopped address=%s", self.address)
 
@@ -99,8 +116,9 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         ],
         compression=grpc.Compression.Gzip if config.gzip_responses else None,
     )
-    add_store_service(StoreServicer(store), server)
-    add_otlp_service(TraceServicer(store), server)
+    servicers: list[ServicerState] = [StoreServicer(store), TraceServicer(store)]
+    add_store_service(servicers[0], server)  # type: ignore[arg-type]
+    add_otlp_service(servicers[1], server)  # type: ignore[arg-type]
     names = [STORE_SERVICE, TRACE_SERVICE]
     for name, add in config.extra_services:
         add(server)
@@ -138,7 +156,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         config.tls is not None,
         bool(config.token),
     )
-    return RunningServer(server, store, health, port, config, tuple(names))
+    return RunningServer(server, store, health, port, config, tuple(names), servicers)
 
 
 async def serve(config: ServerConfig, ready: Callable[[RunningServer], None] | None = None) -> None:

@@ -38,7 +38,7 @@ from lightning_grpc.store import SpanRecord, Store
 from lightning_grpc.store.core import MAX_BATCH_SPANS
 from lightning_grpc.v1 import common_pb2, span_pb2
 
-from .adapter import unary
+from .adapter import ServicerState, unary
 
 log = logging.getLogger("lightning_grpc.server")
 
@@ -313,7 +313,7 @@ def _refusal(store: Store, exc: LightningError) -> str:
     return f"could not be stored: {_SPAN_PREFIX.sub('', exc.message)}"
 
 
-class TraceServicer(otlp_grpc.TraceServiceServicer):
+class TraceServicer(ServicerState, otlp_grpc.TraceServiceServicer):
     """``opentelemetry.proto.collector.trace.v1.TraceService`` over the store core."""
 
     def __init__(self, store: Store) -> None:

@@ -6,37 +6,45 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from lightning_grpc import convert
-from lightning_grpc.errors import InvalidArgumentError, LightningError
+from lightning_grpc.errors import InvalidArgumentError, LightningError, UnavailableError
 from lightning_grpc.store import SpanRecord, SpanSelection, Store
+from lightning_grpc.v1 import span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
 from . import wire
-from .adapter import streaming, unary
+from .adapter import ServicerState, Undecodable, streaming, tolerant_parser, unary
 
 Ctx = grpc.aio.ServicerContext
 
 
 def span_records(spans: Any) -> list[SpanRecord]:
-    """Serialized spans as store records: ids decoded from each span's header, the bytes kept as they came."""
-    header = wire.SpanHeader.FromString
+    """Serialized spans as store records, each parsed in full so that only readable spans are stored.
+
+    The stored body is the span exactly as received; its ids come from the parsed message.
+    """
+    parse = span_pb2.Span.FromString
     records = []
-    for body in spans:
-        h = header(body)
+    for i, body in enumerate(spans):
+        try:
+            s = parse(body)
+        except DecodeError:
+            raise InvalidArgumentError(f"spans[{i}]", "is not a valid lightning.v1.Span") from None
         records.append(
             SpanRecord(
-                h.rollout_id,
-                h.attempt_id,
-                h.span_id,
-                h.trace_id,
-                h.parent_span_id,
-                h.name,
-                h.start_time_unix_nano,
-                h.end_time_unix_nano,
+                s.rollout_id,
+                s.attempt_id,
+                s.span_id,
+                s.trace_id,
+                s.parent_span_id,
+                s.name,
+                s.start_time_unix_nano,
+                s.end_time_unix_nano,
                 body,
-                h.sequence_id,
+                s.sequence_id,
             )
         )
     return records
@@ -62,7 +70,7 @@ def _descending(order: int) -> bool:
     return order == 2  # SORT_ORDER_DESCENDING
 
 
-class StoreServicer(pb_grpc.StoreServiceServicer):
+class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     def __init__(self, store: Store) -> None:
         self.store = store
 
@@ -94,7 +102,7 @@ class StoreServicer(pb_grpc.StoreServiceServicer):
         return resp
 
     async def _dequeue(self, request: pb.DequeueRolloutsRequest, context: Ctx) -> list[Any]:
-        wait = _wait(request, "wait_timeout")
+        wait = self.store.check_wait(_wait(request, "wait_timeout"), "wait_timeout")
         remaining = context.time_remaining()
         if wait is not None and remaining is not None:
             wait = max(0.0, min(wait, remaining - 0.05))  # answer before the caller's deadline
@@ -253,6 +261,12 @@ class StoreServicer(pb_grpc.StoreServiceServicer):
     ) -> AsyncIterator[pb.AddSpansStreamResponse]:
         """Each request is a wire.AddSpansStreamRequestRaw: the spans stay serialized."""
         async for batch in request_iterator:
+            if isinstance(batch, Undecodable):
+                raise batch.error()
+            if self.shutting_down:  # the client resends what was not acknowledged
+                raise UnavailableError(
+                    "the server is shutting down; reconnect and resend", reason="SHUTTING_DOWN"
+                )
             try:
                 result = await self.store.add_spans(
                     span_records(batch.spans), batch.rollout_id, batch.attempt_id
@@ -382,7 +396,7 @@ class StoreServicer(pb_grpc.StoreServiceServicer):
     async def WaitForRollouts(
         self, request: pb.WaitForRolloutsRequest, context: Ctx
     ) -> pb.WaitForRolloutsResponse:
-        wait = _wait(request, "timeout")
+        wait = self.store.check_wait(_wait(request, "timeout"), "timeout")
         remaining = context.time_remaining()
         if wait is not None and remaining is not None:
             wait = max(0.0, min(wait, remaining - 0.05))
@@ -460,7 +474,7 @@ def add_store_service(servicer: StoreServicer, server: grpc.aio.Server) -> None:
         make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=request_class.FromString,
+            request_deserializer=tolerant_parser(request_class),
             response_serializer=None if method.name in RAW_RESPONSES else response_class.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -80,6 +80,9 @@ MAX_SPAN_SEQUENCE_RESERVATION = 1_000_000
 MAX_WAIT_SECONDS = 3600.0
 MAX_ATTEMPTS_LIMIT = 1000
 MAX_WAIT_IDS = 100_000
+#: The largest google.protobuf.Duration (about 10,000 years).
+MAX_DURATION_SECONDS = 315_576_000_000.999_999_999
+MAX_SEQUENCE_ID = 2**62
 ROLLOUT_OVERHEAD_BYTES = 1024
 ATTEMPT_OVERHEAD_BYTES = 320
 SPAN_OVERHEAD_BYTES = 160
@@ -384,8 +387,10 @@ class Store:
     def _check_config(self, config: RolloutConfig, field: str) -> RolloutConfig:
         for name in ("timeout", "unresponsive_timeout"):
             value = getattr(config, name)
-            if value is not None and (not math.isfinite(value) or value <= 0):
-                raise InvalidArgumentError(f"{field}.{name}", f"must be a positive duration (got {value})")
+            if value is not None and (not math.isfinite(value) or value <= 0 or value > MAX_DURATION_SECONDS):
+                raise InvalidArgumentError(
+                    f"{field}.{name}", f"must be a positive google.protobuf.Duration (got {value:g} s)"
+                )
         if config.max_attempts < 0 or config.max_attempts > MAX_ATTEMPTS_LIMIT:
             raise InvalidArgumentError(
                 f"{field}.max_attempts",
@@ -414,12 +419,17 @@ class Store:
             return {}
         if not isinstance(metadata, dict):
             raise InvalidArgumentError(field, "must be an object")
+        check_json(metadata, field)
         return metadata
 
     @staticmethod
     def _check_limit(value: int, field: str, maximum: int) -> None:
         if value < 0 or value > maximum:
             raise InvalidArgumentError(field, f"must be between 0 and {maximum} (got {value})")
+
+    def check_wait(self, seconds: float | None, field: str) -> float:
+        """Validate a wait in seconds (None: no wait); returns it."""
+        return self._check_wait(seconds, field)
 
     @staticmethod
     def _check_wait(seconds: float | None, field: str) -> float:
@@ -436,6 +446,7 @@ class Store:
             self._check_id(spec.rollout_id, f"{field}.rollout_id")
         if spec.group_id and len(spec.group_id) > 256:
             raise InvalidArgumentError(f"{field}.group_id", "must be at most 256 characters")
+        check_json(spec.input, f"{field}.input")
         mode = self._check_mode(spec.mode, f"{field}.mode")
         config = self._check_config(spec.config, f"{field}.config")
         metadata = self._check_metadata(spec.metadata, f"{field}.metadata")
@@ -689,6 +700,8 @@ class Store:
                 "update_mask", f"cannot update {', '.join(unknown)}; updatable: {', '.join(self._UPDATABLE)}"
             )
         values = dict(changes)
+        if "input" in values:
+            check_json(values["input"], "input")
         if "mode" in values:
             values["mode"] = self._check_mode(values["mode"], "mode")
         if "config" in values:
@@ -1149,8 +1162,10 @@ class Store:
                 raise InvalidArgumentError(
                     f"spans[{i}].parent_span_id", "must be empty or 16 lowercase hex characters"
                 )
-            if rec.sequence_id < 0:
-                raise InvalidArgumentError(f"spans[{i}].sequence_id", "must not be negative")
+            if rec.sequence_id < 0 or rec.sequence_id > MAX_SEQUENCE_ID:
+                raise InvalidArgumentError(
+                    f"spans[{i}].sequence_id", f"must be between 0 and {MAX_SEQUENCE_ID}"
+                )
             size = len(rec.body)
             if size > self.max_span_bytes:
                 raise ResourceExhaustedError(
@@ -1179,6 +1194,12 @@ class Store:
                 mine.add(rec.sequence_id)
                 batch_ids.setdefault(rec.attempt_id, set()).add(rec.span_id)
         self._ensure_memory(batch_bytes)
+        # Client-numbered spans claim their ids first, so automatic numbers go above them.
+        for i, rec in enumerate(records):
+            if rec.sequence_id:
+                ast = targets[i][1]
+                if rec.sequence_id >= ast.next_sequence_id:
+                    ast.next_sequence_id = rec.sequence_id + 1
         # Pass 2: assign sequence ids and store.
         sequence_ids = [0] * len(records)
         stored = duplicates = 0
@@ -1235,6 +1256,10 @@ class Store:
         _, ast = self._attempt(rollout_id, attempt_id)
         self._check_limit(count, "count", MAX_SPAN_SEQUENCE_RESERVATION)
         first = ast.next_sequence_id
+        if first + max(1, count) > MAX_SEQUENCE_ID:
+            raise ResourceExhaustedError(
+                f"attempt {attempt_id} has used up its sequence ids", reason="SEQUENCE_IDS_EXHAUSTED"
+            )
         ast.next_sequence_id += max(1, count)
         tx = Txn()
         tx.attempts[attempt_id] = ast
@@ -1274,7 +1299,7 @@ class Store:
             if not (
                 isinstance(position, list)
                 and len(position) == 2
-                and all(isinstance(p, int) for p in position)
+                and all(isinstance(p, int) and 0 <= p <= MAX_SEQUENCE_ID for p in position)
             ):
                 raise InvalidArgumentError("page_token", "is not a page token this store issued")
             query.after = (position[0], position[1])
@@ -1321,9 +1346,10 @@ class Store:
     def _check_resources(self, resources: dict[str, Resource], field: str = "resources") -> None:
         if len(resources) > 1000:
             raise InvalidArgumentError(field, "must hold at most 1000 entries")
-        for name in resources:
+        for name, resource in resources.items():
             if not name or len(name) > 256:
-                raise InvalidArgumentError(f"{field}[{name!r}]", "names must be 1-256 characters")
+                raise InvalidArgumentError(f"{field}[{name[:40]!r}]", "names must be 1-256 characters")
+            check_json(rows.resource_to_dict(resource), f"{field}[{name!r}]")
 
     async def add_resources(self, resources: dict[str, Resource], resources_id: str = "") -> ResourcesUpdate:
         self._check_writable()
@@ -1431,10 +1457,12 @@ class Store:
         self._check_id(worker_id, "worker_id") if worker_id else None
         if not worker_id:
             raise InvalidArgumentError("worker_id", "is required")
+        if stats is not None:
+            stats = self._check_metadata(stats, "heartbeat_stats")
         ws = self._worker(worker_id)
         ws.worker.last_heartbeat_time = self.clock()
         if stats is not None:
-            ws.worker.heartbeat_stats = self._check_metadata(stats, "heartbeat_stats")
+            ws.worker.heartbeat_stats = stats
         await self._apply(Txn(workers={worker_id: ws}))
         return replace(ws.worker)
 
@@ -1522,7 +1550,7 @@ class Store:
 
     def _parse_token(self, token: str) -> int:
         store_id, _, rev = token.rpartition(".")
-        if not store_id or not rev.isdigit():
+        if not store_id or not (rev.isascii() and rev.isdigit()) or len(rev) > 18:
             raise InvalidArgumentError("resume_token", "is not a resume token this store issued")
         if store_id != self.store_id:
             raise OutOfRangeError(
@@ -1701,3 +1729,18 @@ class Store:
 
 def _fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_json(value: Any, field: str, depth: int = 0) -> None:
+    """JSON values must be finite and not absurdly deep (they are stored and echoed as JSON)."""
+    if depth > 64:
+        raise InvalidArgumentError(field, "is nested more than 64 levels deep")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidArgumentError(field, f"must hold finite numbers only (got {value})")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_json(v, f"{field}.{k}" if len(field) < 200 else field, depth + 1)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_json(v, f"{field}[{i}]" if len(field) < 200 else field, depth + 1)

@@ -28,6 +28,7 @@ from .state import Change, LoadedState, SpanRecord, Txn
 log = logging.getLogger("lightning_grpc.store.sqlite")
 
 migrations = Migrations("lightning_grpc.store")
+INT64_MAX = 2**63 - 1
 
 
 @migrations(name="0001_initial")
@@ -240,8 +241,8 @@ class SqliteBackend:
                             s.trace_id,
                             s.parent_span_id,
                             s.name,
-                            s.start_time_unix_nano,
-                            s.end_time_unix_nano,
+                            min(s.start_time_unix_nano, INT64_MAX),  # the body keeps the exact fixed64
+                            min(s.end_time_unix_nano, INT64_MAX),
                             s.body,
                         )
                         for s in tx.spans
