@@ -1,53 +1,51 @@
-"""Prompt search over a real store: an algorithm proposes prompt templates, runner processes score them.
+"""Prompt search over a real store, with the runner and algorithm pieces of lightning-grpc.
 
     python -m lightning_grpc.examples.prompt_search_demo        (what ``make demo`` runs)
 
-1. The store server starts as a subprocess on a free port, with a SQLite file in a temporary directory.
-2. Runner processes (this module with ``--runner``) long-poll the store for rollouts.
-3. The algorithm publishes each candidate template as its own resources set, enqueues one rollout per
-   (candidate, task) that points at it, waits for them all, reads the reward each runner wrote as a
-   span attribute, and picks the candidate with the best mean reward.
-4. The runners and the server are stopped with SIGTERM.
+1. The store server starts as a subprocess (``lightning-grpc serve``) on a free port, with a SQLite
+   file in a temporary directory.
+2. A runner fleet starts with the real command line: ``lightning-grpc runner
+   lightning_grpc.examples.prompt_search_demo:agent --concurrency 8 --processes 2``.
+3. The search (:func:`search`, on :class:`~lightning_grpc.algorithm.Algorithm`) publishes each
+   candidate template as its own resources set, enqueues every task against each, waits once, and
+   compares the candidates' mean rewards; a rollout without a reward counts as failed, never as 0.
+4. The runners and the server are stopped with SIGTERM; both must exit 0.
 
-No LLM is called: a runner "executes" a rollout by rendering the prompt and scoring it with
-:func:`score`, a deterministic function of the prompt and the task.
+This module is the one home of the example's pieces, so that ``make demo`` runs from an installed
+package: the tasks and candidates, the agent and its scoring, the search and its report.
+``examples/prompt_search/`` (in a source checkout) runs the same pieces by hand, against a store and
+runners started from the command line.
+
+No LLM is called yet: :func:`score` is a deterministic stand-in for "ask the model with this prompt
+and grade its answer".
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
-import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from lightning_grpc.client import StoreClient
-from lightning_grpc.errors import LightningError
-from lightning_grpc.types import (
-    AttemptStatus,
-    PromptTemplate,
-    Rollout,
-    RolloutConfig,
-    RolloutStatus,
-    Span,
-)
+from lightning_grpc import semconv
+from lightning_grpc.algorithm import Algorithm, RolloutResult
+from lightning_grpc.client import ClientConfig, StoreClient
+from lightning_grpc.runner import rollout
+from lightning_grpc.tracing import operation
+from lightning_grpc.types import AttemptStatus, PromptTemplate, RolloutConfig, RolloutStatus, Span
 
-#: The span attribute that carries a rollout's reward.
-REWARD_ATTRIBUTE = "lightning.reward"
-#: The name of a prompt template inside each candidate's resources set.
-PROMPT_RESOURCE = "prompt"
-
+# ================================================================ the tasks and the candidates
 #: The prompt templates the search compares, by name.
 CANDIDATES: dict[str, str] = {
     "bare": "{question}",
@@ -106,12 +104,15 @@ INSTRUCTION_BONUS = {"step by step": 0.15, "quote the policy": 0.1, "concise": 0
 PROMPT_BUDGET = 300
 
 
-def render(template: PromptTemplate, task: Mapping[str, Any]) -> str:
-    return template.format(**task)
-
-
+# ================================================================ the agent
+@operation(name="score")
 def score(prompt: str, task: Mapping[str, Any]) -> float:
-    """The reward of a prompt for a task, in [0, 1]: key facts covered, useful instructions, brevity."""
+    """The reward of a prompt for a task, in [0, 1]: key facts covered, useful instructions, brevity.
+
+    The stand-in for the model. With the LLM Proxy this becomes "send ``prompt`` to the
+    OpenAI-compatible endpoint the agent is given, grade the answer against the task"; the agent
+    below stays as it is. Traced as an operation, so each rollout's trace shows its input and output.
+    """
     text = prompt.lower()
     keywords = [k.lower() for k in task["keywords"]]
     coverage = sum(k in text for k in keywords) / len(keywords)
@@ -120,313 +121,333 @@ def score(prompt: str, task: Mapping[str, Any]) -> float:
     return round(min(1.0, max(0.0, 0.6 * coverage + bonus - overlong)), 4)
 
 
+@rollout
+def agent(task: Mapping[str, Any], prompt_template: PromptTemplate) -> float:
+    """Render the candidate prompt for the task and return its score; the runner records the reward.
+
+    ``prompt_template`` is the rollout's PromptTemplate resource, injected by kind. A template that
+    cannot be rendered (a placeholder the task lacks) raises, and the attempt fails with the error.
+    """
+    prompt = prompt_template.format(**task)
+    return score(prompt, task)
+
+
+#: How the runner command line names the agent.
+AGENT_REF = "lightning_grpc.examples.prompt_search_demo:agent"
+
+
+# ================================================================ the search
+#: The name of the template inside each candidate's resources set.
+PROMPT_RESOURCE = "prompt_template"
+#: Each trial's deadline; a trial whose runner vanished is tried once more.
+TRIAL_CONFIG = RolloutConfig(
+    timeout=20.0,
+    unresponsive_timeout=15.0,
+    max_attempts=2,
+    retry_on=(AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE),
+)
+
+
+@dataclass
+class CandidateResult:
+    """One candidate template and the results of its rollouts (one per task, in task order)."""
+
+    name: str
+    template: str
+    results: list[RolloutResult]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.results if r.reward is not None]
+
+    @property
+    def failures(self) -> list[RolloutResult]:
+        """Rollouts that produced no reward: failed, cancelled, unfinished, or succeeded without one."""
+        return [r for r in self.results if r.reward is None]
+
+    @property
+    def mean(self) -> float | None:
+        """The mean over the rewarded rollouts; None when none was."""
+        rewards = self.rewards
+        return fmean(rewards) if rewards else None
+
+
+@dataclass
+class SearchResult:
+    candidates: list[CandidateResult]
+    seconds: float
+
+    @property
+    def rollouts(self) -> int:
+        return sum(len(c.results) for c in self.candidates)
+
+    @property
+    def rewarded(self) -> int:
+        return sum(len(c.rewards) for c in self.candidates)
+
+    @property
+    def complete(self) -> bool:
+        """Every rollout got a reward."""
+        return self.rewarded == self.rollouts
+
+    @property
+    def best(self) -> CandidateResult | None:
+        """The candidate with the best mean reward (ties go to the first); None if none got a reward."""
+        best, best_mean = None, 0.0
+        for c in self.candidates:
+            mean = c.mean
+            if mean is not None and (best is None or mean > best_mean):
+                best, best_mean = c, mean
+        return best
+
+
+def _quiet(_text: str) -> None:
+    return None
+
+
+async def search(
+    algo: Algorithm,
+    candidates: Mapping[str, str] = CANDIDATES,
+    tasks: Sequence[Mapping[str, Any]] = TASKS,
+    *,
+    timeout: float = 60.0,
+    log: Callable[[str], None] = _quiet,
+) -> SearchResult:
+    """Try every task with every candidate; rollouts unfinished after ``timeout`` seconds have no reward."""
+    started = time.monotonic()
+    published = {
+        name: await algo.publish({PROMPT_RESOURCE: PromptTemplate(template)})
+        for name, template in candidates.items()
+    }
+    log(f"published {len(published)} candidate templates, one resources set each")
+    batches = {
+        name: await algo.enqueue(
+            tasks, resources_id=resources_id, mode="val", config=TRIAL_CONFIG, metadata={"candidate": name}
+        )
+        for name, resources_id in published.items()
+    }
+    total = sum(len(batch) for batch in batches.values())
+    log(f"enqueued {total} rollouts ({len(published)} candidates x {len(tasks)} tasks), waiting")
+    results = await algo.wait([r for batch in batches.values() for r in batch], timeout=timeout)
+    out, start = [], 0
+    for name, batch in batches.items():
+        out.append(CandidateResult(name, candidates[name], results[start : start + len(batch)]))
+        start += len(batch)
+    found = SearchResult(out, time.monotonic() - started)
+    log(f"{found.rewarded}/{found.rollouts} rollouts rewarded in {found.seconds:.2f}s")
+    return found
+
+
+# ================================================================ printing
 def say(who: str, text: str) -> None:
-    """Print one line; a single write, so lines of the processes sharing stdout never mix."""
-    sys.stdout.write(f"{who:<9} {text}\n")
+    """Print one line in a single write, so it cannot mix with lines of other writers."""
+    sys.stdout.write(f"{who:<8} {text}\n")
     sys.stdout.flush()
 
 
-# ================================================================ the store server
-class ServerProcess:
-    """``lightning-grpc serve`` in a subprocess; its output is drained by a thread."""
+def print_report(found: SearchResult) -> None:
+    """The table of candidates (best first), the rollouts that failed, and the winner."""
+    say("search", f"{'candidate':<18} {'mean':>6}  rewarded")
+    ranked = sorted(found.candidates, key=lambda c: -1.0 if c.mean is None else -c.mean)
+    for c in ranked:
+        mean = "n/a" if c.mean is None else f"{c.mean:.3f}"
+        failed = f" ({len(c.failures)} failed)" if c.failures else ""
+        say("search", f"{c.name:<18} {mean:>6}  {len(c.rewards)}/{len(c.results)}{failed}")
+    for c in found.candidates:
+        for r in c.failures:
+            why = r.rollout.status_message or (
+                "no reward" if r.rollout.status == RolloutStatus.SUCCEEDED else "unfinished"
+            )
+            task = r.rollout.input.get("task_id", "?") if isinstance(r.rollout.input, dict) else "?"
+            say("failed", f"{r.rollout.rollout_id} {c.name}/{task} {r.rollout.status}: {why}")
+    best = found.best
+    if best is None or best.mean is None:
+        say("winner", "none: no candidate got a reward")
+        return
+    say("winner", f"{best.name} (mean reward {best.mean:.3f} over {len(best.rewards)} tasks)")
+    say("winner", f"template: {best.template!r}")
 
-    def __init__(self, db: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_GRPC_TOKEN"}
-        command = ["-m", "lightning_grpc.cli.main", "serve", "--port", "0", "--db", str(db), "--grace", "2"]
+
+def describe_span(span: Span) -> str:
+    """One line for a span of an agent's trace."""
+    attributes = span.attributes
+    if span.name == semconv.SPAN_OPERATION:
+        name = attributes.get(semconv.OPERATION_NAME, "?")
+        return f"{span.name} name={name} output={attributes.get(semconv.OPERATION_OUTPUT)}"
+    reward = semconv.read_reward(attributes)
+    if reward is not None:
+        return f"{span.name} " + " ".join(f"{k}={v}" for k, v in reward.items())
+    return span.name
+
+
+async def print_trace(client: StoreClient, found: SearchResult) -> None:
+    """The trace of the winner's best rollout, one span a line."""
+    best = found.best
+    if best is None:
+        return
+    top = max((r for r in best.results if r.reward is not None), key=lambda r: r.reward or 0.0)
+    spans = await client.query_spans(top.rollout.rollout_id, "latest")
+    task = top.rollout.input.get("task_id", "?")
+    say("trace", f"{top.rollout.rollout_id} ({best.name}, task {task}), latest attempt, {len(spans)} spans:")
+    for span in spans:
+        say("trace", "  " + describe_span(span))
+
+
+async def search_and_report(store: str | ClientConfig, timeout: float) -> bool:
+    """Search with the runners of a store and print the report; True when every rollout got a reward."""
+    async with Algorithm(store) as algo:
+        found = await search(algo, timeout=timeout, log=lambda text: say("search", text))
+        print_report(found)
+        await print_trace(algo.client, found)
+    return found.complete and found.best is not None
+
+
+# ================================================================ the processes
+class Background:
+    """A child process whose output (stdout and stderr together) a thread reads line by line."""
+
+    def __init__(self, name: str, args: Sequence[str], env: Mapping[str, str]) -> None:
+        self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(env),
         )
-        self.address: str | None = None
-        self.recent: deque[str] = deque(maxlen=40)
-        self._started = threading.Event()
-        threading.Thread(target=self._drain, name="store-server-output", daemon=True).start()
+        self.lines: list[str] = []
+        self._closed = False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
+        self._reader.start()
 
-    def _drain(self) -> None:
+    def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.recent.append(line.rstrip())
-            if self.address is None and "event=server_started" in line:
-                self.address = line.split("address=", 1)[1].split()[0]
-                self._started.set()
-        self._started.set()  # the server exited: wake whoever waits for it to start
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
-    def wait_started(self, timeout: float = 30.0) -> str:
-        if not self._started.wait(timeout) or self.address is None:
-            raise RuntimeError("the store server did not start:\n" + "\n".join(self.recent))
-        return self.address
+    def wait_for(self, marker: str, count: int = 1, timeout: float = 30.0) -> list[str]:
+        """The first ``count`` output lines holding ``marker``, once there are that many."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                found = [line for line in self.lines if marker in line]
+                if len(found) >= count:
+                    return found[:count]
+                left = deadline - time.monotonic()
+                if self._closed or left <= 0:
+                    why = "exited" if self._closed else f"waited {timeout:.0f}s"
+                    raise RuntimeError(f"{self.name}: {why} before {count} x {marker!r} in its output")
+                self._changed.wait(left)
 
-    def stop(self, timeout: float = 15.0) -> int:
-        return stop_process(self.proc, timeout)
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL if it is still there after ``timeout`` seconds; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._reader.join(5)
+        return code
 
-def stop_process(proc: subprocess.Popen[Any], timeout: float) -> int:
-    """SIGTERM, then SIGKILL if it is still there after ``timeout`` seconds; returns the exit code."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
-# ================================================================ the algorithm
-@dataclass
-class Outcome:
-    candidate: str
-    task_id: str
-    rollout: Rollout
-    reward: float | None
-
-
-async def publish_candidates(client: StoreClient) -> dict[str, str]:
-    """One resources set per candidate; returns candidate name -> resources id."""
-    published: dict[str, str] = {}
-    for name, template in CANDIDATES.items():
-        update = await client.add_resources(
-            {PROMPT_RESOURCE: PromptTemplate(template)}, resources_id=f"candidate-{name}"
-        )
-        published[name] = update.resources_id
-    say("algo", f"published {len(published)} candidate prompts: {', '.join(published.values())}")
-    return published
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(f"  | {line}" for line in self.lines[-lines:])
 
 
-async def enqueue_trials(client: StoreClient, published: Mapping[str, str]) -> list[Rollout]:
-    specs = [
-        {
-            "input": task,
-            "mode": "train",
-            "resources_id": resources_id,
-            "group_id": name,
-            "metadata": {"candidate": name, "task_id": task["task_id"]},
-            "config": RolloutConfig(
-                timeout=20.0, max_attempts=2, retry_on=(AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE)
-            ),
-        }
-        for name, resources_id in published.items()
-        for task in TASKS
-    ]
-    rollouts = await client.enqueue_rollouts(specs)
-    say("algo", f"enqueued {len(rollouts)} rollouts ({len(published)} candidates x {len(TASKS)} tasks)")
-    return rollouts
+def log_field(line: str, key: str) -> str:
+    """The value of ``key=value`` in a log line."""
+    return line.split(f"{key}=", 1)[1].split()[0]
 
 
-async def reward_of(client: StoreClient, rollout: Rollout) -> float | None:
-    """The last reward the rollout's latest attempt recorded in its spans."""
-    rewards = [
-        float(span.attributes[REWARD_ATTRIBUTE])
-        for span in await client.query_spans(rollout.rollout_id, "latest")
-        if REWARD_ATTRIBUTE in span.attributes
-    ]
-    return rewards[-1] if rewards else None
+def child_env() -> dict[str, str]:
+    """This environment without LIGHTNING_GRPC_* settings (a token or store address of the user's own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_GRPC_")}
 
 
-async def wait_for_all(
-    client: StoreClient, rollout_ids: Sequence[str], timeout: float, runners_alive: Callable[[], bool]
-) -> list[Rollout]:
-    """The finished rollouts, once all finish, ``timeout`` passes, or no runner is left to run them."""
-    deadline = time.monotonic() + timeout
+def start_store(db: Path) -> Background:
+    args = ["-m", "lightning_grpc.cli.main", "serve", "--port", "0", "--db", str(db), "--grace", "2"]
+    return Background("store", args, child_env())
+
+
+def start_runners(address: str, processes: int, concurrency: int) -> Background:
+    args = ["-m", "lightning_grpc.cli.main", "runner", AGENT_REF, "--store", address]
+    args += ["--concurrency", str(concurrency), "--processes", str(processes), "--poll-wait", "1"]
+    return Background("runners", args, child_env())
+
+
+async def search_while(alive: Callable[[], bool], address: str, timeout: float) -> bool:
+    """:func:`search_and_report`, abandoned if the runner fleet exits before it is done."""
+    task = asyncio.create_task(search_and_report(address, timeout))
     while True:
-        finished = await client.wait_for_rollouts(rollout_ids, timeout=1.0)
-        if len(finished) == len(rollout_ids) or time.monotonic() >= deadline or not runners_alive():
-            return finished
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if not alive():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            say("search", "gave up: the runner fleet exited")
+            return False
 
 
-async def run_trials(
-    client: StoreClient, timeout: float, runners_alive: Callable[[], bool]
-) -> list[Outcome] | None:
-    published = await publish_candidates(client)
-    rollouts = await enqueue_trials(client, published)
+def run_demo(processes: int, concurrency: int, timeout: float) -> int:
     started = time.monotonic()
-    finished = await wait_for_all(client, [r.rollout_id for r in rollouts], timeout, runners_alive)
-    say("algo", f"{len(finished)}/{len(rollouts)} rollouts finished in {time.monotonic() - started:.2f}s")
-    if len(finished) < len(rollouts):
-        return None
-    rewards = await asyncio.gather(*(reward_of(client, r) for r in finished))
-    return [
-        Outcome(r.metadata["candidate"], r.metadata["task_id"], r, reward)
-        for r, reward in zip(finished, rewards, strict=True)
-    ]
-
-
-def best_candidate(outcomes: Sequence[Outcome]) -> tuple[str, dict[str, float]]:
-    """The candidate with the best mean reward (a missing reward counts as 0; ties go to the first)."""
-    means = {
-        name: fmean(o.reward or 0.0 for o in outcomes if o.candidate == name)
-        for name in CANDIDATES
-        if any(o.candidate == name for o in outcomes)
-    }
-    return max(means, key=lambda name: means[name]), means
-
-
-async def search(address: str, timeout: float, runners_alive: Callable[[], bool]) -> bool:
-    async with StoreClient(address) as client:
-        outcomes = await run_trials(client, timeout, runners_alive)
-    if outcomes is None:
-        say("algo", "gave up: " + ("timed out" if runners_alive() else "every runner exited"))
-        return False
-    failed = [o for o in outcomes if o.rollout.status != RolloutStatus.SUCCEEDED or o.reward is None]
-    for o in failed:
-        say("algo", f"{o.rollout.rollout_id} {o.rollout.status}: {o.rollout.status_message or 'no reward'}")
-    winner, means = best_candidate(outcomes)
-    say("algo", f"{'candidate':<18} mean reward")
-    for name, mean in sorted(means.items(), key=lambda item: -item[1]):
-        say("algo", f"{name:<18} {mean:.3f}")
-    say("winner", f"{winner} (mean reward {means[winner]:.3f})")
-    say("winner", f"template: {CANDIDATES[winner]!r}")
-    return not failed
-
-
-# ================================================================ the runner
-async def next_rollout(
-    client: StoreClient, worker_id: str, stop: asyncio.Event, wait: float
-) -> Rollout | None:
-    """Long-poll for a rollout; None when the wait ends empty or ``stop`` is set."""
-    dequeue = asyncio.create_task(client.dequeue_rollout(worker_id=worker_id, wait=wait))
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({dequeue, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if not dequeue.done():
-        dequeue.cancel()
-        await asyncio.gather(dequeue, return_exceptions=True)
-        return None
-    return dequeue.result()
-
-
-def make_spans(rollout: Rollout, prompt: str, reward: float, start_ns: int, end_ns: int) -> list[Span]:
-    """An agent span covering the work, and a reward span (its child) carrying the reward."""
-    trace_id, agent_id = secrets.token_hex(16), secrets.token_hex(8)
-    agent = Span(
-        trace_id=trace_id,
-        span_id=agent_id,
-        name="agent",
-        start_time_unix_nano=start_ns,
-        end_time_unix_nano=end_ns,
-        attributes={
-            "candidate": rollout.metadata.get("candidate", ""),
-            "task.id": rollout.input["task_id"],
-            "prompt": prompt,
-        },
-    )
-    reward_span = Span(
-        trace_id=trace_id,
-        span_id=secrets.token_hex(8),
-        parent_span_id=agent_id,
-        name="reward",
-        start_time_unix_nano=end_ns,
-        end_time_unix_nano=time.time_ns(),
-        attributes={REWARD_ATTRIBUTE: float(reward)},
-    )
-    return [agent, reward_span]
-
-
-class Runner:
-    def __init__(self, client: StoreClient, worker_id: str) -> None:
-        self.client = client
-        self.worker_id = worker_id
-        self.templates: dict[str, PromptTemplate] = {}
-        self.completed = 0
-
-    async def template_of(self, resources_id: str) -> PromptTemplate:
-        if resources_id not in self.templates:
-            update = await self.client.get_resources(resources_id)
-            resource = update.resources[PROMPT_RESOURCE]
-            if not isinstance(resource, PromptTemplate):
-                raise TypeError(f"resource {PROMPT_RESOURCE!r} of {resources_id} is not a prompt template")
-            self.templates[resources_id] = resource
-        return self.templates[resources_id]
-
-    async def execute(self, rollout: Rollout) -> None:
-        attempt = rollout.latest_attempt
-        assert attempt is not None, "a dequeued rollout has an attempt"
-        rid, aid = rollout.rollout_id, attempt.attempt_id
-        start_ns = time.time_ns()
-        try:
-            prompt = render(await self.template_of(rollout.resources_id), rollout.input)
-        except (KeyError, IndexError, ValueError, TypeError) as exc:
-            await self.client.complete_attempt(rid, aid, "failed", f"cannot render the prompt: {exc!r}")
-            say(self.worker_id, f"{rid} failed: cannot render the prompt ({exc!r})")
-            return
-        reward = score(prompt, rollout.input)
-        await asyncio.sleep(0.005)  # stands in for the agent's work
-        await self.client.add_spans(
-            make_spans(rollout, prompt, reward, start_ns, time.time_ns()), rollout_id=rid, attempt_id=aid
-        )
-        await self.client.complete_attempt(rid, aid, "succeeded")
-        self.completed += 1
-        candidate, task_id = rollout.metadata.get("candidate", "?"), rollout.input["task_id"]
-        say(self.worker_id, f"{rid} {candidate:<18} {task_id:<9} reward {reward:.3f}")
-
-    async def run(self, stop: asyncio.Event, poll: float) -> None:
-        await self.client.update_worker(self.worker_id, {"completed": 0})
-        while not stop.is_set():
-            rollout = await next_rollout(self.client, self.worker_id, stop, poll)
-            if rollout is not None:
-                await self.execute(rollout)
-                await self.client.update_worker(self.worker_id, {"completed": self.completed})
-
-
-async def run_runner(address: str, worker_id: str, poll: float) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    async with StoreClient(address) as client:
-        runner = Runner(client, worker_id)
-        try:
-            await runner.run(stop, poll)
-        except LightningError as exc:
-            say(worker_id, f"stopping: {exc.reason}: {exc.message}")
-            return 1
-    say(worker_id, f"stopped after {runner.completed} rollouts")
-    return 0
-
-
-# ================================================================ putting it together
-def start_runner(address: str, worker_id: str) -> subprocess.Popen[bytes]:
-    module = "lightning_grpc.examples.prompt_search_demo"
-    return subprocess.Popen(
-        [sys.executable, "-m", module, "--runner", "--store", address, "--worker-id", worker_id]
-    )
-
-
-def run_demo(runners: int, timeout: float) -> int:
-    started = time.monotonic()
+    ok = False
+    fleet: Background | None = None
+    fleet_code: int | None = None
     with tempfile.TemporaryDirectory(prefix="lightning-grpc-demo-") as tmp:
         db = Path(tmp) / "store.db"
-        server = ServerProcess(db)
-        processes: list[subprocess.Popen[bytes]] = []
-        ok = False
+        server = start_store(db)
         try:
-            address = server.wait_started()
+            address = log_field(server.wait_for("event=server_started")[0], "address")
             say("store", f"serving on {address} (SQLite file {db})")
-            worker_ids = [f"runner-{i + 1}" for i in range(runners)]
-            processes = [start_runner(address, worker_id) for worker_id in worker_ids]
-            say("runners", f"started {', '.join(worker_ids)} (separate processes)")
-            ok = asyncio.run(search(address, timeout, lambda: any(p.poll() is None for p in processes)))
+            fleet = start_runners(address, processes, concurrency)
+            # Wait until every runner process is up: each has its SIGTERM handler by then.
+            fleet.wait_for("event=runner_started", count=processes, timeout=60)
+            say("runners", f"{processes} processes x {concurrency} rollouts at once: {AGENT_REF}")
+            ok = asyncio.run(search_while(fleet.alive, address, timeout))
+        except RuntimeError as exc:  # a process did not start
+            say("failed", str(exc))
         finally:
-            codes = [stop_process(p, 10.0) for p in processes]
+            if fleet is not None:
+                fleet_code = fleet.stop()
             server_code = server.stop()
-            say("store", f"stopped runners (exit {codes}) and server (exit {server_code})")
-    ok = ok and not any(codes) and server_code == 0
+    if fleet is not None:
+        counts = [log_field(line, "completed") for line in fleet.lines if "event=runner_exit" in line]
+        say(
+            "runners", f"stopped (exit {fleet_code}); rollouts run per process: {', '.join(counts) or 'none'}"
+        )
+    say("store", f"stopped (exit {server_code})")
+    ok = ok and fleet_code == 0 and server_code == 0
+    if not ok:
+        for process in (p for p in (fleet, server) if p is not None):
+            sys.stdout.write(f"{process.name} output (last lines):\n{process.tail()}\n")
     say("done" if ok else "failed", f"in {time.monotonic() - started:.1f}s")
     return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--runners", type=int, default=2, help="how many runner processes (default 2)")
+    parser.add_argument("--processes", type=int, default=2, help="runner processes (default 2)")
+    parser.add_argument("--concurrency", type=int, default=8, help="rollouts at once per process (default 8)")
     parser.add_argument("--timeout", type=float, default=40.0, help="seconds to wait for the rollouts")
-    parser.add_argument("--runner", action="store_true", help="be a runner process (used by the demo)")
-    parser.add_argument("--store", help="runner: the store's HOST:PORT")
-    parser.add_argument("--worker-id", default="runner-1", help="runner: its worker id")
-    parser.add_argument("--poll", type=float, default=2.0, help="runner: seconds a dequeue long-polls")
     args = parser.parse_args(argv)
-    if args.runner:
-        if not args.store:
-            parser.error("--runner needs --store")
-        return asyncio.run(run_runner(args.store, args.worker_id, args.poll))
-    return run_demo(max(1, args.runners), args.timeout)
+    if args.processes < 1 or args.concurrency < 1:
+        parser.error("--processes and --concurrency must be at least 1")
+    try:
+        return run_demo(args.processes, args.concurrency, args.timeout)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
