@@ -10,6 +10,7 @@ A failed or cancelled rollout has ``reward`` None, never a silent 0.0.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -107,16 +108,16 @@ class Algorithm:
 
     async def results(self, rollouts: Sequence[Rollout]) -> list[RolloutResult]:
         """Rewards of finished rollouts, read from the spans of their latest attempts."""
-        out = []
-        for r in rollouts:
-            rewards: list[dict[str, float]] = []
-            reward = None
-            if r.status == RolloutStatus.SUCCEEDED:
+        limit = asyncio.Semaphore(16)
+
+        async def result(r: Rollout) -> RolloutResult:
+            if r.status != RolloutStatus.SUCCEEDED:
+                return RolloutResult(r, None, [])
+            async with limit:
                 spans = await self.client.query_spans(r.rollout_id, "latest")
-                rewards = rewards_of(spans)
-                reward = final_reward(spans)
-            out.append(RolloutResult(r, reward, rewards))
-        return out
+            return RolloutResult(r, final_reward(spans), rewards_of(spans))
+
+        return list(await asyncio.gather(*(result(r) for r in rollouts)))
 
     async def wait(self, rollouts: Sequence[Rollout], timeout: float | None = None) -> list[RolloutResult]:
         """Wait for the rollouts (no polling) and return their results, in the order given.

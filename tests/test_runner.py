@@ -454,3 +454,36 @@ def test_reward_conventions_reject_what_they_cannot_read_back() -> None:
     assert semconv.read_primary_reward(legacy) == 0.5
     links = semconv.link_attributes({"gen_ai.response.id": "chatcmpl-1"})
     assert semconv.read_links(links) == {"gen_ai.response.id": "chatcmpl-1"}
+
+
+async def test_a_wrong_agent_reference_is_refused_in_one_line() -> None:
+    proc = await runner_process("127.0.0.1:1", "no_such_module:agent")
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode()
+    assert proc.returncode == 2 and "Traceback" not in text
+    assert text.strip().splitlines()[-1].startswith("error: cannot load agent 'no_such_module:agent'")
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+async def test_sigterm_while_a_fleet_starts_stops_it_cleanly(
+    server: RunningServer, client: StoreClient, delay: float
+) -> None:
+    proc = await runner_process(
+        f"127.0.0.1:{server.port}",
+        "tests.runner_agents:sync_counter",
+        "--processes",
+        "2",
+        "--poll-wait",
+        "0.2",
+    )
+    await asyncio.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    if proc.returncode == -signal.SIGTERM:
+        # The signal came while the interpreter was still starting, before it could handle it:
+        # nothing had started, so nothing may be left behind.
+        assert delay < 1.0 and "event=runner_started" not in out.decode()
+        await asyncio.sleep(1.0)
+        assert await client.query_workers() == []
+    else:
+        assert proc.returncode == 0, out.decode()[-2000:]

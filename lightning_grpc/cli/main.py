@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from lightning_grpc.cli import proxy_commands
 from lightning_grpc.errors import LightningError
 
 log = logging.getLogger("lightning_grpc.cli")
@@ -78,6 +79,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     p.add_argument("--log-level", default="INFO")
+    proxy_commands.add_serve_options(p)
     p.set_defaults(func=run_serve)
 
 
@@ -99,6 +101,8 @@ def run_serve(args: argparse.Namespace) -> int:
         gzip_responses=args.gzip,
         grace=args.grace,
     )
+    if proxy_commands.wants_proxy(args):
+        return proxy_commands.run_serve_with_proxy(args, config)
     try:
         asyncio.run(serve(config))
     except OSError as exc:
@@ -151,7 +155,11 @@ def run_runner(args: argparse.Namespace) -> int:
     )
     from lightning_grpc.runner import load_agent
 
-    load_agent(args.agent)  # fail here, with a clear message, if the reference is wrong
+    try:
+        load_agent(args.agent)  # fail here, with a clear message, if the reference is wrong
+    except (ImportError, ValueError, TypeError, AttributeError) as exc:
+        print(f"error: cannot load agent {args.agent!r}: {exc}", file=sys.stderr)
+        return 2
     if args.ray is not None:
         return run_ray(spec, args.processes, args.ray or None)
     return run_processes(spec, args.processes)
@@ -162,9 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_runner_parser(sub)
+    from lightning_grpc.cli import engine_commands
     from lightning_grpc.cli import inspect as inspect_commands
 
     inspect_commands.add_parsers(sub)
+    engine_commands.add_parsers(sub)
+    proxy_commands.add_parsers(sub)
     return parser
 
 

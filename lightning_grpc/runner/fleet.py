@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ def load_agent(ref: str) -> LitAgent:
     module_ref, sep, name = ref.partition(":")
     if not sep or not name:
         raise ValueError(f"agent reference {ref!r} must look like module:name or path/file.py:name")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: modules next to where the command runs
     if module_ref.endswith(".py"):
         path = Path(module_ref).resolve()
         spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -70,10 +73,15 @@ class RunnerSpec:
 
 
 def _process_main(spec: RunnerSpec) -> None:
+    stopped = threading.Event()  # a SIGTERM that arrives while this process is still starting
+    signal.signal(signal.SIGTERM, lambda _s, _f: stopped.set())
+    signal.signal(signal.SIGINT, lambda _s, _f: stopped.set())
     from lightning_grpc.cli.main import configure_logging
 
     configure_logging(os.environ.get("LIGHTNING_GRPC_LOG_LEVEL", "INFO"))
-    run_forever(spec.build())
+    runner = spec.build()
+    if not stopped.is_set():
+        run_forever(runner, stopped)
 
 
 def run_processes(spec: RunnerSpec, processes: int) -> int:
@@ -86,21 +94,26 @@ def run_processes(spec: RunnerSpec, processes: int) -> int:
         ctx.Process(target=_process_main, args=(spec,), name=f"lightning-runner-{i}")
         for i in range(processes)
     ]
-    for child in children:
-        child.start()
+
+    stopping: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
         for child in children:
             if child.pid and child.is_alive():
                 os.kill(child.pid, signum)
 
-    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGTERM, forward)  # before any child exists, so none is ever left behind
     signal.signal(signal.SIGINT, forward)
+    for child in children:
+        child.start()
     for child in children:
         child.join()
     codes = [c.exitcode for c in children]
     log.info("event=fleet_exit processes=%d exit_codes=%s", processes, codes)
-    return 0 if all(code == 0 for code in codes) else 1
+    # A child the forwarded signal reached before it could handle it had started nothing: a clean stop.
+    clean = {0} | {-s for s in stopping}
+    return 0 if all(code in clean for code in codes) else 1
 
 
 class RayFleet:

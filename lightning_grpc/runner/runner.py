@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -417,11 +418,16 @@ def _loop_running() -> bool:
     return True
 
 
-def run_forever(runner: Runner) -> int:
-    """Run a runner in this process until SIGTERM/SIGINT (or its max_rollouts)."""
+def run_forever(runner: Runner, stopped: threading.Event | None = None) -> int:
+    """Run a runner in this process until SIGTERM/SIGINT (or its max_rollouts).
+
+    ``stopped`` is set by a signal that arrived before the runner was up: the runner then stops at once.
+    """
 
     async def main() -> int:
         runner.install_signal_handlers()
+        if stopped is not None and stopped.is_set():
+            runner.stop()
         return await runner.run()
 
     started = time.monotonic()
