@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -140,6 +140,16 @@ class StoreClient:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
+    async def _all_pages(self, method: str, request: Any, field: str, item: Callable[[Any], T]) -> list[T]:
+        """Every item of a List call, following page tokens."""
+        out: list[T] = []
+        while True:
+            resp = await self._call(method, request)
+            out.extend(item(x) for x in getattr(resp, field))
+            if not resp.next_page_token:
+                return out
+            request.page_token = resp.next_page_token
+
     # ------------------------------------------------------------ rollouts
     async def start_rollout(self, input: Any, *, worker_id: str = "", **spec: Any) -> t.Rollout:
         request = pb.StartRolloutRequest(worker_id=worker_id)
@@ -265,22 +275,8 @@ class StoreClient:
         return convert.attempt_from_pb(resp.attempt) if resp.HasField("attempt") else None
 
     async def query_attempts(self, rollout_id: str, *, descending: bool = False) -> list[t.Attempt]:
-        out: list[t.Attempt] = []
-        token = ""
-        while True:
-            resp = await self._call(
-                "ListAttempts",
-                pb.ListAttemptsRequest(
-                    rollout_id=rollout_id,
-                    order=2 if descending else 0,  # type: ignore[arg-type]
-                    page_size=1000,
-                    page_token=token,
-                ),
-            )
-            out.extend(convert.attempt_from_pb(a) for a in resp.attempts)
-            token = resp.next_page_token
-            if not token:
-                return out
+        request = pb.ListAttemptsRequest(rollout_id=rollout_id, order=2 if descending else 0, page_size=1000)  # type: ignore[arg-type]
+        return await self._all_pages("ListAttempts", request, "attempts", convert.attempt_from_pb)
 
     async def heartbeat_attempt(self, rollout_id: str, attempt_id: str) -> AttemptHeartbeat:
         resp = await self._call(
@@ -415,16 +411,8 @@ class StoreClient:
             name=name,
             name_contains=name_contains,
         )
-        out: list[t.Span] = []
-        token = ""
-        while True:
-            resp = await self._call(
-                "ListSpans", pb.ListSpansRequest(selector=selector, page_size=10_000, page_token=token)
-            )
-            out.extend(convert.span_from_pb(s) for s in resp.spans)
-            token = resp.next_page_token
-            if not token:
-                return out
+        request = pb.ListSpansRequest(selector=selector, page_size=10_000)
+        return await self._all_pages("ListSpans", request, "spans", convert.span_from_pb)
 
     async def tail_spans(
         self, rollout_id: str, attempt_id: str | None = None, *, follow: bool = False
@@ -487,22 +475,12 @@ class StoreClient:
     async def query_resources(
         self, *, resources_id_contains: str = "", descending: bool = False
     ) -> list[t.ResourcesUpdate]:
-        out: list[t.ResourcesUpdate] = []
-        token = ""
-        while True:
-            resp = await self._call(
-                "ListResources",
-                pb.ListResourcesRequest(
-                    resources_id_contains=resources_id_contains,
-                    order=2 if descending else 0,  # type: ignore[arg-type]
-                    page_size=1000,
-                    page_token=token,
-                ),
-            )
-            out.extend(convert.resources_update_from_pb(r) for r in resp.resources)
-            token = resp.next_page_token
-            if not token:
-                return out
+        request = pb.ListResourcesRequest(
+            resources_id_contains=resources_id_contains,
+            order=2 if descending else 0,  # type: ignore[arg-type]
+            page_size=1000,
+        )
+        return await self._all_pages("ListResources", request, "resources", convert.resources_update_from_pb)
 
     # ------------------------------------------------------------ workers
     async def update_worker(
@@ -527,22 +505,12 @@ class StoreClient:
     async def query_workers(
         self, *, status_in: Iterable[t.WorkerStatus | str | int] = (), worker_id_contains: str = ""
     ) -> list[t.Worker]:
-        out: list[t.Worker] = []
-        token = ""
-        while True:
-            resp = await self._call(
-                "ListWorkers",
-                pb.ListWorkersRequest(
-                    statuses=[int(_enum(t.WorkerStatus, s)) for s in status_in],  # type: ignore[misc]
-                    worker_id_contains=worker_id_contains,
-                    page_size=1000,
-                    page_token=token,
-                ),
-            )
-            out.extend(convert.worker_from_pb(w) for w in resp.workers)
-            token = resp.next_page_token
-            if not token:
-                return out
+        request = pb.ListWorkersRequest(
+            statuses=[int(_enum(t.WorkerStatus, s)) for s in status_in],  # type: ignore[misc]
+            worker_id_contains=worker_id_contains,
+            page_size=1000,
+        )
+        return await self._all_pages("ListWorkers", request, "workers", convert.worker_from_pb)
 
     # ------------------------------------------------------------ waiting
     async def wait_for_rollouts(
