@@ -1,0 +1,439 @@
+"""The embedded engine, end to end: a tiny model built here, a real server on 127.0.0.1, the official client.
+
+One model and one engine serve the whole module (building and loading take a few seconds); tests that
+must not run beside others (timings, weight reloads) run their requests one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_grpc.engine import EngineProcess, EngineServer, build_tiny_model, start_engine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny"
+TOKEN_IDS = {"return_token_ids": True}
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2? Ünïcode ✓"},
+]
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("engine") / "tiny", seed=7)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_dir: Path) -> AsyncIterator[EngineServer]:
+    server = await start_engine(model_dir, served_model_name=MODEL, max_batch_size=64)
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(engine: EngineServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    c = openai.AsyncOpenAI(base_url=engine.base_url, api_key="EMPTY", max_retries=0, timeout=60)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+async def chat(client: openai.AsyncOpenAI, **kwargs: Any) -> Any:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "seed": 1, **kwargs}
+    extra = {**TOKEN_IDS, **body.pop("extra_body", {})}
+    return await client.chat.completions.create(**body, extra_body=extra)
+
+
+async def post(engine: EngineServer, path: str, body: Any) -> tuple[int, Any, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(engine.url + path, data=body if isinstance(body, str) else json.dumps(body)) as resp,
+    ):
+        return resp.status, await resp.json(), resp.headers
+
+
+# ---------------------------------------------------------------- chat
+async def test_chat_token_ids_match_the_template_and_the_text(
+    client: openai.AsyncOpenAI, tokenizer: Any, engine: EngineServer
+) -> None:
+    response = await chat(client)
+    data = response.model_dump()
+    choice = data["choices"][0]
+    assert data["prompt_token_ids"] == chat_prompt_ids(tokenizer, MESSAGES)
+    assert len(choice["token_ids"]) == data["usage"]["completion_tokens"] > 0
+    assert data["usage"]["prompt_tokens"] == len(data["prompt_token_ids"])
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["message"]["content"]
+    assert choice["finish_reason"] in {"stop", "length"}
+    assert data["policy_version"] == engine.policy_version
+
+
+async def test_without_return_token_ids_the_fields_are_absent(client: openai.AsyncOpenAI) -> None:
+    response = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    data = response.model_dump()
+    assert data.get("prompt_token_ids") is None and data["choices"][0].get("token_ids") is None
+    assert data["choices"][0]["logprobs"] is None
+
+
+async def test_streamed_ids_equal_the_non_streamed_ones(
+    client: openai.AsyncOpenAI, engine: EngineServer
+) -> None:
+    whole = (await chat(client, max_tokens=20, logprobs=True)).model_dump()
+    stream = await chat(
+        client, max_tokens=20, logprobs=True, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk.model_dump() async for chunk in stream]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all(c.get("prompt_token_ids") is None for c in chunks[1:])
+    assert {c["policy_version"] for c in chunks} == {engine.policy_version}
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    ids = [t for c in choices for t in c["token_ids"]]
+    text = "".join(c["delta"]["content"] or "" for c in choices)
+    logprobs = [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert ids == whole["choices"][0]["token_ids"]
+    assert text == whole["choices"][0]["message"]["content"]
+    assert [e["logprob"] for e in logprobs] == [
+        e["logprob"] for e in whole["choices"][0]["logprobs"]["content"]
+    ]
+    assert choices[-1]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(ids)
+
+
+async def test_stream_framing_is_sse_with_done(engine: EngineServer) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True, "return_token_ids": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(engine.base_url + "/chat/completions", json=body) as resp,
+    ):
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers["x-policy-version"] == str(engine.policy_version)
+        raw = (await resp.read()).decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    deltas = [json.loads(e[6:])["choices"][0]["token_ids"] for e in events[1:-2]]
+    assert sum(len(d) for d in deltas) == 4 and all(len(d) == 1 for d in deltas)
+
+
+async def test_logprobs_are_consistent(client: openai.AsyncOpenAI, tokenizer: Any) -> None:
+    data = (await chat(client, logprobs=True, top_logprobs=3, max_tokens=8)).model_dump()
+    choice = data["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(choice["token_ids"])
+    for entry in content:
+        assert len(entry["top_logprobs"]) == 3
+        best = entry["top_logprobs"][0]["logprob"]
+        assert entry["logprob"] <= best + 1e-6 and best <= 0
+    raw = b"".join(bytes(e["bytes"]) for e in content)
+    assert raw.decode("utf-8", errors="replace") == tokenizer.decode(
+        choice["token_ids"], skip_special_tokens=False
+    )
+
+
+async def test_n_choices_differ_and_share_the_prompt(client: openai.AsyncOpenAI) -> None:
+    data = (await chat(client, n=3, max_tokens=10)).model_dump()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    ids = [tuple(c["token_ids"]) for c in data["choices"]]
+    assert len(set(ids)) == 3
+    assert data["usage"]["completion_tokens"] == sum(len(i) for i in ids)
+
+
+async def test_stop_string_truncates_and_finishes_with_stop(client: openai.AsyncOpenAI) -> None:
+    free = (await chat(client, max_tokens=30, extra_body={"ignore_eos": True})).choices[0].message.content
+    assert free and len(free) > 8
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    cut = await chat(client, max_tokens=30, stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+    choice = cut.model_dump()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert choice["message"]["content"] == free[: free.index(stop)]
+    streamed = await chat(client, max_tokens=30, stop=stop, stream=True, extra_body={"ignore_eos": True})
+    text = "".join([c.choices[0].delta.content or "" async for c in streamed if c.choices])
+    assert text == choice["message"]["content"]
+
+
+async def test_max_tokens_gives_finish_reason_length(client: openai.AsyncOpenAI) -> None:
+    choice = (await chat(client, max_tokens=5)).model_dump()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 5
+    choice = (await chat(client, max_completion_tokens=2)).model_dump()["choices"][0]
+    assert len(choice["token_ids"]) == 2
+
+
+async def test_same_seed_same_output_other_seed_other_output(client: openai.AsyncOpenAI) -> None:
+    first = (await chat(client, seed=42, max_tokens=16)).model_dump()["choices"][0]["token_ids"]
+    again = (await chat(client, seed=42, max_tokens=16)).model_dump()["choices"][0]["token_ids"]
+    other = (await chat(client, seed=43, max_tokens=16)).model_dump()["choices"][0]["token_ids"]
+    assert first == again != other
+
+
+# ---------------------------------------------------------------- completions
+async def test_completion_text_prompt(
+    client: openai.AsyncOpenAI, tokenizer: Any, engine: EngineServer
+) -> None:
+    prompt = "The agent called a tool and"
+    data = (
+        await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, logprobs=2, seed=3, extra_body=TOKEN_IDS
+        )
+    ).model_dump()
+    choice = data["choices"][0]
+    assert choice["prompt_token_ids"] == tokenizer(prompt)["input_ids"]
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["text"]
+    logprobs = choice["logprobs"]
+    n = len(choice["token_ids"])
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["text_offset"]) == n
+    assert all(2 <= len(top) <= 3 for top in logprobs["top_logprobs"])
+    assert data["policy_version"] == engine.policy_version and "prompt_token_ids" not in data
+
+
+async def test_completion_token_id_prompts_and_batches(client: openai.AsyncOpenAI) -> None:
+    one = [5, 17, 300, 1200]
+    data = (
+        await client.completions.create(model=MODEL, prompt=one, max_tokens=4, extra_body=TOKEN_IDS)
+    ).model_dump()
+    assert data["choices"][0]["prompt_token_ids"] == one
+    batch = [[7, 8, 9], [100, 200, 300, 400, 500]]
+    data = (
+        await client.completions.create(
+            model=MODEL, prompt=batch, max_tokens=3, n=2, seed=5, extra_body=TOKEN_IDS
+        )
+    ).model_dump()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in data["choices"]] == [batch[0], batch[0], batch[1], batch[1]]
+    assert data["usage"]["prompt_tokens"] == 8 and data["usage"]["completion_tokens"] == 12
+
+
+async def test_completion_stream_carries_ids_per_choice(client: openai.AsyncOpenAI) -> None:
+    whole = (
+        await client.completions.create(
+            model=MODEL, prompt="tool call", max_tokens=6, seed=9, extra_body=TOKEN_IDS
+        )
+    ).model_dump()
+    stream = await client.completions.create(
+        model=MODEL, prompt="tool call", max_tokens=6, seed=9, stream=True, extra_body=TOKEN_IDS
+    )
+    chunks = [c.model_dump() async for c in stream]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == whole["choices"][0]["prompt_token_ids"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+# ---------------------------------------------------------------- batching
+async def test_concurrent_requests_are_batched(client: openai.AsyncOpenAI) -> None:
+    def request(i: int) -> Any:
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"agent {i} " * (1 + i % 5)}],
+            max_tokens=16,
+            seed=i,
+            extra_body={**TOKEN_IDS, "ignore_eos": True},
+        )
+
+    started = time.monotonic()
+    sequential = [(await request(i)).model_dump() for i in range(32)]
+    sequential_s = time.monotonic() - started
+    started = time.monotonic()
+    concurrent = [r.model_dump() for r in await asyncio.gather(*(request(i) for i in range(32)))]
+    concurrent_s = time.monotonic() - started
+    print(f"32 requests x 16 tokens: sequential {sequential_s:.2f}s, concurrent {concurrent_s:.2f}s")
+    assert concurrent_s < sequential_s
+    # Left padding and per-row seeds: a sequence gets the same tokens alone or in a batch of 32.
+    assert [r["choices"][0]["token_ids"] for r in concurrent] == [
+        r["choices"][0]["token_ids"] for r in sequential
+    ]
+    assert all(len(r["choices"][0]["token_ids"]) == 16 for r in concurrent)
+
+
+async def test_clients_that_hang_up_leave_the_batch(engine: EngineServer, client: openai.AsyncOpenAI) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1500, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(engine.base_url + "/chat/completions", json={**body, "stream": True})
+        await resp.content.readline()
+        resp.close()
+        with pytest.raises(asyncio.TimeoutError):
+            timeout = aiohttp.ClientTimeout(total=0.3)
+            await session.post(engine.base_url + "/chat/completions", json=body, timeout=timeout)
+    assert engine.scheduler is not None
+    for _ in range(60):
+        if engine.scheduler.load()["running"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.scheduler.load() == {"running": 0, "waiting": 0, "updates": 0}
+    assert (await chat(client, max_tokens=2)).choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": MESSAGES, "temperature": -1}, "temperature"),
+        ({"model": MODEL, "messages": MESSAGES, "n": 0}, "n"),
+        ({"model": MODEL, "messages": MESSAGES, "max_tokens": "ten"}, "max_tokens"),
+        ({"model": MODEL, "messages": MESSAGES, "max_tokens": 10**6}, "max_tokens"),
+        ({"model": MODEL, "messages": MESSAGES, "stop": [""]}, "stop"),
+        ({"model": MODEL, "messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+    ],
+)
+async def test_bad_chat_requests_get_400(engine: EngineServer, body: dict[str, Any], param: str) -> None:
+    status, data, _ = await post(engine, "/v1/chat/completions", body)
+    assert status == 400
+    assert data["error"]["type"] == "BadRequestError" and data["error"]["code"] == 400
+    assert data["error"]["param"] == param and data["error"]["message"]
+
+
+async def test_other_errors_are_openai_json(engine: EngineServer, client: openai.AsyncOpenAI) -> None:
+    status, data, _ = await post(engine, "/v1/chat/completions", "{not json")
+    assert status == 400 and "JSON" in data["error"]["message"]
+    status, data, _ = await post(engine, "/v1/completions", {"model": MODEL, "prompt": [[1, 2], [10**7]]})
+    assert status == 400 and data["error"]["param"] == "prompt"
+    status, data, _ = await post(engine, "/v1/nothing", {})
+    assert status == 404 and data["error"]["type"] == "NotFoundError"
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.chat.completions.create(model="other", messages=MESSAGES)
+    assert caught.value.status_code == 404
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=MODEL, prompt="x", logprobs=99)
+
+
+# ---------------------------------------------------------------- models, health, weights
+async def test_models_and_health(engine: EngineServer) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(engine.base_url + "/models") as resp:
+            models = await resp.json()
+        async with session.get(engine.url + "/health") as resp:
+            health = await resp.json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["policy_version"] == engine.policy_version
+    assert models["data"][0]["max_model_len"] == 2048
+    assert health["status"] == "ok"
+
+
+async def test_weight_reload_changes_outputs_and_version(
+    engine: EngineServer, client: openai.AsyncOpenAI, model_dir: Path, tmp_path: Path
+) -> None:
+    greedy = {"temperature": 0, "max_tokens": 12}
+    before = (await chat(client, **greedy)).model_dump()
+    version = engine.policy_version
+
+    status, data, headers = await post(
+        engine, "/admin/load_weights", {"path": str(perturbed_checkpoint(model_dir, tmp_path / "step-1"))}
+    )
+    assert (
+        status == 200
+        and data["policy_version"] == version + 1
+        and headers["x-policy-version"] == str(version + 1)
+    )
+    response = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, seed=1, extra_body=TOKEN_IDS, **greedy
+    )
+    after = response.parse().model_dump()
+    assert response.headers["x-policy-version"] == str(version + 1) and after["policy_version"] == version + 1
+    assert after["prompt_token_ids"] == before["prompt_token_ids"]
+    assert after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]
+    assert (await client.models.list()).model_dump()["data"][0]["policy_version"] == version + 1
+
+    status, data, _ = await post(engine, "/admin/load_weights", {"path": str(tmp_path / "missing")})
+    assert status == 400 and data["error"]["param"] == "path" and engine.policy_version == version + 1
+
+
+async def test_a_reload_waits_for_running_requests(
+    engine: EngineServer, client: openai.AsyncOpenAI, model_dir: Path
+) -> None:
+    """Running requests finish on the old weights; requests arriving meanwhile run on the new ones."""
+    original = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).state_dict()
+    greedy = {"temperature": 0, "max_tokens": 12}
+    old = engine.policy_version
+    stream = await chat(client, temperature=0, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    chunks = [await anext(aiter(stream))]
+    reload = asyncio.create_task(engine.load_state_dict(original, policy_version=old + 10))
+    await asyncio.sleep(0.05)
+    assert engine.scheduler is not None and engine.scheduler.load()["updates"] == 1
+    assert not reload.done()
+    waiting = asyncio.create_task(chat(client, **greedy))
+    chunks += [c async for c in stream]
+    assert {c.model_dump()["policy_version"] for c in chunks} == {old}
+    assert sum(len(c.model_dump()["choices"][0]["token_ids"]) for c in chunks if c.choices) == 400
+    assert await reload == old + 10 == engine.policy_version
+    late = (await waiting).model_dump()
+    assert late["policy_version"] == old + 10
+    # The original weights are back: the module's first greedy output again.
+    status, data, _ = await post(engine, "/admin/load_weights", {"path": str(model_dir), "policy_version": 7})
+    assert status == 200 and data["policy_version"] == 7
+    assert (await chat(client, **greedy)).model_dump()["choices"][0]["token_ids"] == late["choices"][0][
+        "token_ids"
+    ]
+
+
+def perturbed_checkpoint(model_dir: Path, out: Path) -> Path:
+    """What a trainer would write: the same architecture, other weights."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+# ---------------------------------------------------------------- the CLI and the subprocess helper
+async def test_init_model_cli_then_an_engine_subprocess(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning_grpc.cli import main as cli
+
+    monkeypatch.setattr(cli, "configure_logging", lambda level="INFO": None)  # keep pytest's logging
+    path = tmp_path / "llama"
+    args = ["init-model", str(path), "--arch", "llama", "--vocab-size", "512", "--seed", "3"]
+    with caplog.at_level(logging.INFO, logger="lightning_grpc.engine"):
+        assert await asyncio.to_thread(cli.main, args) == 0
+    assert "event=tiny_model_built" in caplog.text
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == len(tokenizer) <= 512
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000 and tokenizer.chat_template
+
+    def serve_and_ask() -> tuple[dict[str, Any], EngineProcess]:
+        with EngineProcess(path, served_model_name="llama") as engine:
+            client = openai.OpenAI(base_url=engine.base_url, api_key="EMPTY", max_retries=0)
+            data = client.chat.completions.create(
+                model="llama", messages=MESSAGES, max_tokens=3, extra_body=TOKEN_IDS
+            ).model_dump()
+        return data, engine
+
+    data, engine = await asyncio.to_thread(serve_and_ask)
+    assert data["prompt_token_ids"] == chat_prompt_ids(tokenizer, MESSAGES)
+    assert len(data["choices"][0]["token_ids"]) == data["usage"]["completion_tokens"] > 0
+    assert data["policy_version"] == 0
+    assert engine.proc is not None and engine.proc.returncode == 0
+    assert any("event=engine_stopped" in line for line in engine.lines)
