@@ -1,0 +1,92 @@
+"""Which calls the proxy takes: only those of an attempt that is still running.
+
+Admission is one attempt heartbeat in the Store (so the call also counts as a sign of life) plus,
+on a rollout's first call, a read of the rollout for its mode (train rollouts get log-probs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+from lightning_grpc.client import StoreClient
+from lightning_grpc.errors import LightningError, NotFoundError, UnavailableError
+from lightning_grpc.types import RolloutMode
+
+log = logging.getLogger("lightning_grpc.proxy")
+
+
+class Refused(Exception):
+    """A call the proxy will not take, with the HTTP status and OpenAI-style error code to answer."""
+
+    def __init__(self, status: int, code: str, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+
+
+class AttemptGate:
+    def __init__(self, client: StoreClient, *, mode_cache_size: int = 10_000) -> None:
+        self.client = client
+        self._modes: OrderedDict[str, RolloutMode] = OrderedDict()
+        self._cache_size = mode_cache_size
+
+    async def admit(self, rollout_id: str, attempt_id: str) -> RolloutMode:
+        """The rollout's mode if the attempt may call; :class:`Refused` otherwise."""
+        mode_task = None
+        if rollout_id not in self._modes:
+            mode_task = asyncio.create_task(self._read_mode(rollout_id))
+        try:
+            beat = await self.client.heartbeat_attempt(rollout_id, attempt_id)
+        except NotFoundError:
+            raise Refused(
+                404, "attempt_not_found", f"rollout {rollout_id!r} has no attempt {attempt_id!r}"
+            ) from None
+        except UnavailableError as exc:
+            raise Refused(
+                503, "store_unavailable", f"the Store cannot be reached: {exc}", retry_after=1
+            ) from None
+        except LightningError as exc:
+            raise Refused(400, "invalid_attempt", f"{exc.reason}: {exc.message}") from None
+        finally:
+            if mode_task is not None:
+                await asyncio.gather(mode_task, return_exceptions=True)
+        if beat.should_stop:
+            raise Refused(
+                410,
+                "attempt_finished",
+                _why_stopped(beat.attempt.status, beat.rollout_status, beat.cancelled),
+            )
+        return self._modes.get(rollout_id, RolloutMode.UNSPECIFIED)
+
+    async def _read_mode(self, rollout_id: str) -> None:
+        rollout = await self.client.get_rollout(rollout_id)
+        self._modes[rollout_id] = rollout.mode
+        while len(self._modes) > self._cache_size:
+            self._modes.popitem(last=False)
+
+    async def keepalive(self, rollout_id: str, attempt_id: str, interval: float) -> None:
+        """Heartbeat the attempt every ``interval`` seconds while a long call runs (cancel to stop)."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.client.heartbeat_attempt(rollout_id, attempt_id)
+            except LightningError as exc:
+                log.info(
+                    "event=proxy_keepalive_failed rollout_id=%s attempt_id=%s error=%r",
+                    rollout_id,
+                    attempt_id,
+                    exc,
+                )
+
+
+def _why_stopped(attempt_status: object, rollout_status: object, cancelled: bool) -> str:
+    if cancelled:
+        return f"the rollout was cancelled (attempt {attempt_status}); calls of this attempt are refused"
+    return (
+        f"the attempt is no longer running (attempt {attempt_status}, rollout {rollout_status}); "
+        "calls of a finished or superseded attempt are refused"
+    )

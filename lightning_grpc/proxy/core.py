@@ -1,0 +1,269 @@
+"""The LLM proxy: its state (backends, pause, counts), its control operations, start and stop.
+
+The HTTP side is in :mod:`.http`; the gRPC ProxyService that controls it is in :mod:`.service`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from lightning_grpc.client import ClientConfig, StoreClient
+from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from lightning_grpc.types import LLM, Attempt, ProxyLLM
+
+from .attempts import AttemptGate
+from .backends import Backend, BackendDialect, BackendStats, BackendTable
+from .litellm_client import LiteLLMClient
+from .recorder import SpanRecorder
+from .upstream import DirectClient, RetryPolicy
+
+log = logging.getLogger("lightning_grpc.proxy")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    #: Where the OpenAI-compatible HTTP side listens (port 0: any free port).
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: The Store the calls are recorded in: an address or a full client configuration.
+    store: str | ClientConfig = "127.0.0.1:4747"
+    backends: Sequence[Backend] = field(default_factory=tuple)
+    #: The base URL agents reach this proxy at (default: http://host:port).
+    public_url: str = ""
+    #: Tries after the first, towards a backend, before anything reached the agent.
+    retries: int = 2
+    connect_timeout: float = 10.0
+    read_timeout: float = 600.0
+    #: How long the end of a response (its body, a stream's [DONE]) waits for the call's span to be
+    #: stored, so that an agent holding its answer never races its span; 0: do not wait. A span not
+    #: stored in time stays queued and is retried.
+    record_wait: float = 10.0
+    #: Heartbeat of an attempt while one of its calls runs longer than this (seconds).
+    heartbeat_interval: float = 10.0
+    #: Calls without /rollout/{id}/attempt/{id}: "forward" (not recorded) or "refuse".
+    unattributed: str = "forward"
+
+
+@dataclass
+class ProxyStatus:
+    paused: bool
+    pause_reason: str
+    in_flight: int
+    total_calls: int
+    total_errors: int
+    refused_calls: int
+    backends: dict[str, BackendStats]
+    http_address: str
+    spans_stored: int
+    spans_dropped: int
+
+
+class LLMProxy:
+    """Create it, then ``await start()`` inside the event loop that serves it."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        if config.unattributed not in ("forward", "refuse"):
+            raise ValueError("unattributed must be 'forward' or 'refuse'")
+        self.config = config
+        self.table = BackendTable(config.backends)
+        self.paused = False
+        self.pause_reason = ""
+        self.retry_after = 1.0
+        self.in_flight = 0
+        self.total_calls = 0
+        self.total_errors = 0
+        self.refused_calls = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.store: StoreClient | None = None
+        self.recorder: SpanRecorder | None = None
+        self.gate: AttemptGate | None = None
+        retry = RetryPolicy(retries=config.retries)
+        self.direct = DirectClient(
+            retry, connect_timeout=config.connect_timeout, read_timeout=config.read_timeout
+        )
+        self.litellm = LiteLLMClient(retries=config.retries, timeout=config.read_timeout)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------ life cycle
+    async def start(self, store: str | ClientConfig | None = None) -> LLMProxy:
+        """Connect to the Store (``store`` overrides the configured one) and listen for HTTP."""
+        from .http import build_app
+
+        target = store if store is not None else self.config.store
+        self.store = StoreClient(target)
+        self.recorder = SpanRecorder(self.store).start()
+        self.gate = AttemptGate(self.store)
+        self._runner = web.AppRunner(
+            build_app(self), access_log=None, handle_signals=False, shutdown_timeout=5.0
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._close_clients()
+            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from None
+        self.port = _bound_port(self._runner)
+        log.info(
+            "event=proxy_started http_address=%s backends=%d store=%s",
+            self.base_url,
+            len(self.table.backends),
+            target if isinstance(target, str) else target.target,
+        )
+        return self
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Pause, let calls in flight finish (up to ``grace`` s), write the queued spans, close."""
+        self.pause("shutting down")
+        left = await self.drain(grace)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self._close_clients(grace)
+        log.info("event=proxy_stopped in_flight_abandoned=%d", left)
+
+    async def _close_clients(self, grace: float = 10.0) -> None:
+        if self.recorder is not None:
+            await self.recorder.close(grace)
+        await self.direct.close()
+        await self.litellm.close()
+        if self.store is not None:
+            await self.store.close()
+
+    # ------------------------------------------------------------ addresses
+    @property
+    def base_url(self) -> str:
+        """The URL agents use, without /v1."""
+        if self.config.public_url:
+            return self.config.public_url.rstrip("/").removesuffix("/v1")
+        host = self.config.host
+        if host in ("", "0.0.0.0", "::"):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def proxy_llm(self, model_name: str) -> ProxyLLM:
+        """A ProxyLLM resource for a model behind this proxy (one URL per attempt)."""
+        return ProxyLLM(endpoint=f"{self.base_url}/v1", model=model_name)
+
+    # ------------------------------------------------------------ backends
+    def set_backends(self, backends: Sequence[Backend]) -> list[Backend]:
+        """Replace the backends at once; calls already routed finish where they are."""
+        out = self.table.replace(backends)
+        log.info(
+            "event=proxy_backends_set count=%d models=%s",
+            len(out),
+            ",".join(self.table.model_names()),
+        )
+        return out
+
+    def list_backends(self) -> list[Backend]:
+        return self.table.backends
+
+    def client_for(self, backend: Backend) -> DirectClient | LiteLLMClient:
+        return self.direct if backend.dialect == BackendDialect.VLLM else self.litellm
+
+    # ------------------------------------------------------------ pause / drain
+    def pause(self, reason: str = "", retry_after: float | None = None) -> int:
+        """New calls get 429 until :meth:`resume`; returns the calls in flight."""
+        self.paused = True
+        self.pause_reason = reason
+        if retry_after is not None:
+            if retry_after < 0:
+                raise InvalidArgumentError("retry_after", "must not be negative")
+            self.retry_after = retry_after
+        else:
+            self.retry_after = 1.0
+        log.info("event=proxy_paused reason=%r in_flight=%d", reason, self.in_flight)
+        return self.in_flight
+
+    def resume(self) -> None:
+        self.paused = False
+        self.pause_reason = ""
+        log.info("event=proxy_resumed")
+
+    async def drain(self, timeout: float = 60.0) -> int:
+        """Wait until no call is in flight (or ``timeout`` passes); returns the calls still in flight."""
+        if timeout < 0:
+            raise InvalidArgumentError("timeout", "must not be negative")
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            pass
+        return self.in_flight
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    # ------------------------------------------------------------ status and endpoints
+    def status(self) -> ProxyStatus:
+        known = {b.api_base for b in self.table.backends}
+        return ProxyStatus(
+            paused=self.paused,
+            pause_reason=self.pause_reason,
+            in_flight=self.in_flight,
+            total_calls=self.total_calls,
+            total_errors=self.total_errors,
+            refused_calls=self.refused_calls,
+            backends={k: v for k, v in self.table.stats.items() if k in known or v.in_flight},
+            http_address=self.base_url,
+            spans_stored=self.recorder.stored if self.recorder else 0,
+            spans_dropped=self.recorder.dropped if self.recorder else 0,
+        )
+
+    async def attempt_endpoint(self, rollout_id: str, attempt_id: str, model_name: str = "") -> LLM:
+        """The routed endpoint of a running attempt."""
+        if not rollout_id:
+            raise InvalidArgumentError("rollout_id", "is required")
+        if not attempt_id:
+            raise InvalidArgumentError("attempt_id", "is required")
+        model = self._model_for_endpoint(model_name)
+        attempt = await self._find_attempt(rollout_id, attempt_id)
+        if not attempt.status.is_active:
+            raise FailedPreconditionError(
+                f"attempt {attempt_id} of rollout {rollout_id} already ended as {attempt.status}",
+                reason="ATTEMPT_FINISHED",
+            )
+        return self.proxy_llm(model).for_attempt(rollout_id, attempt_id)
+
+    def _model_for_endpoint(self, model_name: str) -> str:
+        names = self.table.model_names()
+        if not model_name and len(names) > 1:
+            raise InvalidArgumentError("model_name", f"is required: the proxy serves {', '.join(names)}")
+        return self.table.resolve_model(model_name)
+
+    async def _find_attempt(self, rollout_id: str, attempt_id: str) -> Attempt:
+        assert self.store is not None, "start() the proxy first"
+        rollout = await self.store.get_rollout(rollout_id)
+        latest = rollout.latest_attempt
+        if latest is not None and latest.attempt_id == attempt_id:
+            return latest
+        for attempt in await self.store.query_attempts(rollout_id):
+            if attempt.attempt_id == attempt_id:
+                return attempt
+        raise NotFoundError(
+            f"rollout {rollout_id} has no attempt {attempt_id}",
+            reason="ATTEMPT_NOT_FOUND",
+            rollout_id=rollout_id,
+            attempt_id=attempt_id,
+        )
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    raise OSError("the proxy's HTTP site has no address")

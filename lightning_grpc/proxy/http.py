@@ -1,0 +1,352 @@
+"""The proxy's OpenAI-compatible HTTP side.
+
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, and the same under
+``/rollout/{rollout_id}/attempt/{attempt_id}``. Only calls of a running attempt are recorded;
+calls of an unknown attempt get 404, of a finished (or superseded, or cancelled) one 410, and
+neither is recorded. Calls without the prefix are forwarded and not recorded (or refused with
+403 when the proxy is configured with ``unattributed="refuse"``); the ``x-lightning-rollout-id``
+and ``x-lightning-attempt-id`` headers attribute such a call like the prefix does.
+
+The end of a response (the body, or a stream's ``[DONE]``) is held until the call's span is in
+the Store, up to ``record_wait`` seconds: an agent that has its answer can end its attempt
+without racing the span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+from aiohttp import web
+
+from lightning_grpc import semconv
+from lightning_grpc.errors import NotFoundError
+from lightning_grpc.types import RolloutMode
+
+from . import sse
+from .attempts import Refused
+from .backends import Backend, BackendDialect
+from .capture import Kind
+from .core import LLMProxy
+from .spans import CallRecord, llm_call_span, trace_context
+from .upstream import BackendUnreachable, UpstreamCall
+
+log = logging.getLogger("lightning_grpc.proxy")
+
+PATHS: dict[Kind, str] = {"chat": "chat/completions", "completion": "completions"}
+LOGPROB_MODES = (RolloutMode.TRAIN, RolloutMode.UNSPECIFIED)
+PROXY_KEY: web.AppKey[LLMProxy] = web.AppKey("proxy", LLMProxy)
+
+
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def build_app(proxy: LLMProxy) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app[PROXY_KEY] = proxy
+    for prefix in ("", "/rollout/{rollout_id}/attempt/{attempt_id}"):
+        app.router.add_post(f"{prefix}/v1/chat/completions", _chat)
+        app.router.add_post(f"{prefix}/v1/completions", _completion)
+        app.router.add_get(f"{prefix}/v1/models", _models)
+    app.router.add_get("/health", _health)
+    return app
+
+
+async def _health(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY_KEY]
+    return web.json_response(
+        {"status": "paused" if proxy.paused else "serving", "in_flight": proxy.in_flight}
+    )
+
+
+async def _models(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY_KEY]
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "lightning-grpc"}
+        for name in proxy.table.model_names()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await Call(request.app[PROXY_KEY], request, "chat").run()
+
+
+async def _completion(request: web.Request) -> web.StreamResponse:
+    return await Call(request.app[PROXY_KEY], request, "completion").run()
+
+
+def rewrite(body: dict[str, Any], backend: Backend, kind: Kind, mode: RolloutMode) -> dict[str, Any]:
+    """The body sent to the backend: its model name; for vLLM-dialect backends token ids, and
+    log-probs for train rollouts (mode unset counts as train). Nothing the agent asked for is removed."""
+    out = dict(body)
+    out["model"] = backend.target_model
+    if backend.dialect != BackendDialect.VLLM:
+        return out
+    out["return_token_ids"] = True
+    if mode in LOGPROB_MODES:
+        if kind == "chat" and not out.get("logprobs"):
+            out["logprobs"] = True
+        elif kind == "completion" and out.get("logprobs") is None:
+            out["logprobs"] = 0
+    return out
+
+
+def _error_message(body: Any, fallback: str) -> str:
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(body.get("detail"), str):
+            return str(body["detail"])
+        if isinstance(err, str):
+            return err
+    return fallback
+
+
+class Call:
+    """One request to a completion route, from admission to its recorded span."""
+
+    def __init__(self, proxy: LLMProxy, request: web.Request, kind: Kind) -> None:
+        self.proxy = proxy
+        self.request = request
+        self.kind = kind
+        info, headers = request.match_info, request.headers
+        self.rollout_id: str = info.get("rollout_id") or headers.get(semconv.ROLLOUT_ID_HEADER) or ""
+        self.attempt_id: str = info.get("attempt_id") or headers.get(semconv.ATTEMPT_ID_HEADER) or ""
+
+    async def run(self) -> web.StreamResponse:
+        proxy = self.proxy
+        if proxy.paused:
+            proxy.refused_calls += 1
+            return self._paused()
+        proxy.enter()  # before any await, so that a Drain after Pause sees this call
+        try:
+            return await self._admitted()
+        finally:
+            proxy.leave()
+
+    def _paused(self) -> web.Response:
+        wait = self.proxy.retry_after
+        headers = {"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(int(wait * 1000))}
+        reason = f" ({self.proxy.pause_reason})" if self.proxy.pause_reason else ""
+        return error_response(
+            429,
+            "proxy_paused",
+            f"the proxy is paused{reason}; retry later",
+            kind="rate_limit_error",
+            headers=headers,
+        )
+
+    async def _admitted(self) -> web.StreamResponse:
+        try:
+            body = await self.request.json()
+        except (ValueError, UnicodeDecodeError):
+            return error_response(400, "invalid_json", "the request body is not JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "invalid_json", "the request body must be a JSON object")
+        try:
+            model_name = self.proxy.table.resolve_model(str(body.get("model") or ""))
+        except NotFoundError as exc:
+            return error_response(404, "model_not_found", exc.message)
+        if not (self.rollout_id and self.attempt_id):
+            if self.rollout_id or self.attempt_id:
+                return self._refuse(
+                    Refused(400, "invalid_attempt", "a call needs both a rollout id and an attempt id")
+                )
+            if self.proxy.config.unattributed == "refuse":
+                return self._refuse(
+                    Refused(403, "attempt_required", "call through /rollout/{id}/attempt/{id}/v1")
+                )
+            return await self._forward(body, model_name, RolloutMode.UNSPECIFIED)
+        assert self.proxy.gate is not None
+        try:
+            mode = await self.proxy.gate.admit(self.rollout_id, self.attempt_id)
+        except Refused as refusal:
+            return self._refuse(refusal)
+        return await self._forward(body, model_name, mode)
+
+    def _refuse(self, refusal: Refused) -> web.Response:
+        self.proxy.refused_calls += 1
+        headers = {"Retry-After": str(math.ceil(refusal.retry_after))} if refusal.retry_after else None
+        log.info(
+            "event=proxy_call_refused rollout_id=%s attempt_id=%s status=%d code=%s",
+            self.rollout_id,
+            self.attempt_id,
+            refusal.status,
+            refusal.code,
+        )
+        return error_response(refusal.status, refusal.code, refusal.message, headers=headers)
+
+    # ------------------------------------------------------------ forwarding
+    async def _forward(self, body: dict[str, Any], model_name: str, mode: RolloutMode) -> web.StreamResponse:
+        proxy = self.proxy
+        try:
+            backend = proxy.table.pick(model_name, self.rollout_id)
+        except NotFoundError as exc:  # the backends changed while the call was being admitted
+            return error_response(404, "model_not_found", exc.message)
+        streamed = bool(body.get("stream"))
+        trace_id, parent = trace_context(self.request.headers.get("traceparent"))
+        rec = CallRecord(
+            kind=self.kind,
+            model_name=model_name,
+            backend=backend,
+            request=rewrite(body, backend, self.kind, mode),
+            streamed=streamed,
+            start_time_unix_nano=time.time_ns(),
+            rollout_id=self.rollout_id,
+            attempt_id=self.attempt_id,
+            trace_id=trace_id,
+            parent_span_id=parent,
+        )
+        stats = proxy.table.stats[backend.api_base]
+        stats.calls += 1
+        stats.in_flight += 1
+        proxy.total_calls += 1
+        keepalive = self._keepalive()
+        started = time.monotonic()
+        try:
+            return await self._exchange(rec, started)
+        except asyncio.CancelledError:
+            rec.error = rec.error or "the call was cancelled (the proxy is shutting down)"
+            self._account(rec, started)
+            if rec.recorded and proxy.recorder is not None:
+                proxy.recorder.submit(llm_call_span(rec))
+            raise
+        finally:
+            stats.in_flight -= 1
+            if keepalive is not None:
+                keepalive.cancel()
+
+    def _keepalive(self) -> asyncio.Task[None] | None:
+        if not (self.rollout_id and self.attempt_id) or self.proxy.gate is None:
+            return None
+        interval = self.proxy.config.heartbeat_interval
+        return asyncio.create_task(self.proxy.gate.keepalive(self.rollout_id, self.attempt_id, interval))
+
+    async def _exchange(self, rec: CallRecord, started: float) -> web.StreamResponse:
+        client = self.proxy.client_for(rec.backend)
+        try:
+            upstream = await client.open(rec.backend, PATHS[self.kind], rec.request, rec.streamed)
+        except BackendUnreachable as exc:
+            status = 504 if exc.timed_out else 502
+            rec.http_status = status
+            rec.error = f"backend unreachable: {exc}"
+            await self._finish(rec, started)
+            return error_response(status, "backend_unreachable", rec.error, kind="api_error")
+        rec.http_status = upstream.status
+        rec.header_policy_version = upstream.policy_version()
+        if upstream.stream is not None:
+            return await self._relay_stream(rec, upstream, started)
+        return await self._relay_body(rec, upstream, started)
+
+    async def _relay_body(self, rec: CallRecord, upstream: UpstreamCall, started: float) -> web.Response:
+        payload = upstream.json()
+        assert rec.capture is not None
+        if upstream.ok and isinstance(payload, dict):
+            rec.capture.add_body(payload)
+        else:
+            rec.error_body = payload if payload is not None else upstream.body.decode("utf-8", "replace")
+            message = _error_message(payload, upstream.body[:2000].decode("utf-8", "replace"))
+            rec.error = (
+                f"HTTP {upstream.status}: {message}" if not upstream.ok else "the backend answered no JSON"
+            )
+        await self._finish(rec, started)
+        return web.Response(
+            body=upstream.body,
+            status=upstream.status,
+            headers={"Content-Type": upstream.content_type, **upstream.headers},
+        )
+
+    async def _relay_stream(
+        self, rec: CallRecord, upstream: UpstreamCall, started: float
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **upstream.headers},
+        )
+        await response.prepare(self.request)
+        agent_gone = False
+        done: bytes | None = None
+        try:
+            done, agent_gone = await self._pump(rec, upstream, response)
+        finally:
+            await upstream.close()
+        await self._finish(rec, started)
+        if agent_gone:
+            return response
+        try:
+            if done is None:
+                await response.write(
+                    sse.encode(
+                        {"error": {"message": rec.error, "type": "api_error", "code": "stream_failed"}}
+                    )
+                )
+            else:
+                await response.write(done)
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+        return response
+
+    async def _pump(
+        self, rec: CallRecord, upstream: UpstreamCall, response: web.StreamResponse
+    ) -> tuple[bytes | None, bool]:
+        """Pass events through as they come; returns (the held [DONE] event or None, agent gone)."""
+        assert upstream.stream is not None and rec.capture is not None
+        try:
+            async for event in upstream.stream:
+                if event.done:
+                    return event.raw, False
+                payload = event.json()
+                if isinstance(payload, dict):
+                    if "error" in payload and not payload.get("choices"):
+                        rec.error = f"stream error: {_error_message(payload, 'unknown')}"
+                    else:
+                        rec.capture.add_chunk(payload)
+                try:
+                    await response.write(event.raw)
+                except ConnectionResetError:
+                    rec.error = "the agent disconnected before the end of the stream"
+                    return None, True
+        except Exception as exc:  # a cut connection, a timeout, LiteLLM's errors mid-stream
+            rec.error = f"the backend stream broke off: {type(exc).__name__}: {exc}"
+            return None, False
+        rec.error = rec.error or "the backend stream ended without [DONE]"
+        return None, False
+
+    # ------------------------------------------------------------ recording
+    def _account(self, rec: CallRecord, started: float) -> None:
+        if rec.end_time_unix_nano:
+            return
+        rec.end_time_unix_nano = time.time_ns()
+        rec.latency_ms = (time.monotonic() - started) * 1000.0
+        if rec.error:
+            self.proxy.total_errors += 1
+            self.proxy.table.stats[rec.backend.api_base].errors += 1
+
+    async def _finish(self, rec: CallRecord, started: float) -> None:
+        self._account(rec, started)
+        if rec.error:
+            log.info(
+                "event=proxy_call_failed rollout_id=%s attempt_id=%s backend=%s error=%s",
+                rec.rollout_id,
+                rec.attempt_id,
+                rec.backend.api_base,
+                rec.error,
+            )
+        if not rec.recorded or self.proxy.recorder is None:
+            return
+        await self.proxy.recorder.record(llm_call_span(rec), self.proxy.config.record_wait)

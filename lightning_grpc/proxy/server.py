@@ -1,0 +1,134 @@
+"""Run the proxy: on its own (HTTP side + a gRPC server with ProxyService, health and reflection),
+or inside ``lightning-grpc serve`` next to the Store (ProxyService on the Store's port)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from lightning_grpc.client import ClientConfig
+from lightning_grpc.client.config import TlsConfig
+from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
+from lightning_grpc.server.auth import BearerTokenInterceptor
+
+from .core import LLMProxy, ProxyConfig
+from .service import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
+
+log = logging.getLogger("lightning_grpc.proxy")
+
+
+@dataclass
+class RunningProxy:
+    """A started proxy with its own gRPC server."""
+
+    proxy: LLMProxy
+    server: grpc.aio.Server
+    health: HealthServicer
+    grpc_port: int
+    grpc_host: str
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.grpc_host}:{self.grpc_port}"
+
+    async def stop(self, grace: float = 10.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.proxy.stop(grace)
+        await self.server.stop(grace)
+
+
+async def start_proxy_server(
+    config: ProxyConfig, *, grpc_host: str = "127.0.0.1", grpc_port: int = 0, token: str | None = None
+) -> RunningProxy:
+    """Start the proxy's HTTP side, then its gRPC server; returns once both listen."""
+    proxy = await LLMProxy(config).start()
+    server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token)] if token else [])
+    add_proxy_service(ProxyServicer(proxy), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((PROXY_SERVICE, health_name, reflection.SERVICE_NAME), server)
+    address = f"{grpc_host}:{grpc_port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        await proxy.stop(0)
+        raise OSError(f"cannot listen on {address}: {exc}") from None
+    if not port:
+        await proxy.stop(0)
+        raise OSError(f"cannot listen on {address} (is another server using the port?)")
+    await server.start()
+    for name in ("", PROXY_SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("event=proxy_grpc_started grpc_address=%s:%d http_address=%s", grpc_host, port, proxy.base_url)
+    return RunningProxy(proxy, server, health, port, grpc_host)
+
+
+def _store_client_config(server: ServerConfig, port: int) -> ClientConfig:
+    """How a proxy hosted by ``serve`` reaches the Store it sits next to."""
+    host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
+    tls = None
+    if server.tls is not None:
+        if server.tls.client_ca is not None:
+            raise OSError("a proxy inside serve cannot reach a Store that requires client certificates")
+        tls = TlsConfig(root_certificates=server.tls.cert_chain.read_bytes())
+    return ClientConfig(target=f"{host}:{port}", token=server.token, tls=tls)
+
+
+async def start_with_store(
+    server_config: ServerConfig, proxy_config: ProxyConfig
+) -> tuple[RunningServer, LLMProxy]:
+    """The Store server with ProxyService on its port, and the proxy's HTTP side recording into it."""
+    proxy = LLMProxy(proxy_config)
+    config = dataclasses.replace(
+        server_config, extra_services=(*server_config.extra_services, service_hook(proxy))
+    )
+    running = await start_server(config)
+    try:
+        await proxy.start(_store_client_config(config, running.port))
+    except BaseException:
+        await running.stop()
+        raise
+    return running, proxy
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def serve_proxy(
+    config: ProxyConfig,
+    *,
+    grpc_host: str = "127.0.0.1",
+    grpc_port: int = 0,
+    token: str | None = None,
+    grace: float = 10.0,
+    ready: Callable[[RunningProxy], None] | None = None,
+) -> None:
+    """``lightning-grpc proxy``: run until SIGTERM or SIGINT, then drain and exit."""
+    running = await start_proxy_server(config, grpc_host=grpc_host, grpc_port=grpc_port, token=token)
+    if ready is not None:
+        ready(running)
+    await _wait_for_signal()
+    await running.stop(grace)
+
+
+async def serve_with_store(server_config: ServerConfig, proxy_config: ProxyConfig) -> None:
+    """``lightning-grpc serve --proxy-backend ...``: the Store and the proxy in one process."""
+    running, proxy = await start_with_store(server_config, proxy_config)
+    await _wait_for_signal()
+    await proxy.stop(server_config.grace)
+    await running.stop()
