@@ -299,6 +299,86 @@ def rss_after_fill(sizes: Sizes, workdir: Path, log: Any) -> dict[str, Any]:
     return result
 
 
+# ------------------------------------------------------------------ LLM proxy overhead
+
+# Per profile: calls per path at 1 agent and at `concurrency` agents, and the time bound of each phase.
+# The engine behind the proxy is always the embedded engine serving a tiny model built for the run.
+PROXY_SIZES: dict[str, dict[str, Any]] = {
+    "full": {"engine": "tiny", "calls": 200, "concurrent_calls": 640, "concurrency": 32, "max_seconds": 60},
+    "quick": {"engine": "tiny", "calls": 100, "concurrent_calls": 320, "concurrency": 32, "max_seconds": 30},
+    "smoke": {"engine": "tiny", "calls": 10, "concurrent_calls": 32, "concurrency": 32, "max_seconds": 10},
+}
+
+
+@contextmanager
+def model_engine(kind: str, workdir: Path) -> Iterator[str]:
+    """The engine the proxy forwards to; yields its base URL (ending in /v1)."""
+    from lightning_grpc.engine import EngineProcess
+
+    model = workdir / "tiny-model"
+    subprocess.run(
+        [PY, "-m", "lightning_grpc.cli.main", "init-model", str(model)], check=True, capture_output=True
+    )
+    with EngineProcess(model, served_model_name="tiny") as engine:
+        yield engine.base_url
+
+
+def proxy_overhead(profile: str, workdir: Path, log: Any) -> dict[str, Any]:
+    """Added latency and throughput of an LLM call through `serve --proxy-backend` vs the engine directly."""
+    cfg = PROXY_SIZES[profile]
+    log(f"proxy overhead: {cfg['engine']} engine, store and proxy in one process")
+    try:
+        return _proxy_overhead(cfg, workdir)
+    except (RuntimeError, subprocess.CalledProcessError) as exc:  # an engine or server that did not start
+        return {"error": str(exc)[-2000:], "engine": cfg["engine"]}
+
+
+def _proxy_overhead(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    with model_engine(cfg["engine"], workdir) as base_url:
+        argv = [PY, "-m", "lightning_grpc.cli.main", "serve", "--memory", "--port", "0"]
+        argv += ["--proxy-backend", base_url, "--proxy-model-name", "tiny", "--proxy-port", "0"]
+        ready = re.compile(r"event=proxy_started http_address=http://127\.0\.0\.1:(\d+)")
+        with server("lightning_grpc_proxy", argv, ready) as srv:
+            m = re.search(r"event=server_started address=(127\.0\.0\.1:\d+)", "".join(srv.lines))
+            if m is None:
+                return {"error": "no store address in the serve log", "engine": cfg["engine"]}
+            target = ["--direct", base_url, "--proxy", f"http://{srv.address}", "--store", m.group(1)]
+            args = ["--model", "tiny", "--calls", str(cfg["calls"]), "--concurrent-calls"]
+            args += [str(cfg["concurrent_calls"]), "--concurrency", str(cfg["concurrency"])]
+            args += ["--max-seconds", str(cfg["max_seconds"])]
+            result = drive(PY, "proxy_peer.py", target, args, cfg["max_seconds"] * 4 + 120)
+            result["engine"] = cfg["engine"]
+            result["peak_rss_mib"] = round(srv.rss.peak / 2**20, 1)
+    return result
+
+
+def proxy_markdown(res: dict[str, Any] | None) -> list[str]:
+    if not res:
+        return []
+    if "error" in res:
+        return [f"LLM proxy overhead: error: {str(res['error']).splitlines()[-1][:200]}", ""]
+    k = f"agents_{res['concurrency']}"
+    lines = [
+        f"LLM proxy overhead ({res['engine']} engine, max_tokens {res['max_tokens']}, temperature 0; "
+        f"store and proxy in one `serve --memory` process; {res['warmup_calls']} warm-up calls uncounted):",
+        "",
+        f"| path | 1 agent p50/p99 ms | {res['concurrency']} agents calls/s | {res['concurrency']} agents p50/p99 ms |",
+        "|---|---|---|---|",
+    ]
+    for path in ("direct", "via_proxy"):
+        one, many = res[path]["agents_1"], res[path][k]
+        lines.append(
+            f"| {path} | {one['p50_ms']}/{one['p99_ms']} | {_fmt(many['calls_per_s'], 1)} | "
+            f"{many['p50_ms']}/{many['p99_ms']} |"
+        )
+    added = res["added_ms"]
+    lines.append(
+        f"| added (proxy − direct; calls/s: proxy ÷ direct) | {added['agents_1']['p50']}/{added['agents_1']['p99']} "
+        f"| {_fmt(res['throughput_ratio'], 2)} | {added[k]['p50']}/{added[k]['p99']} |"
+    )
+    return [*lines, ""]
+
+
 # ------------------------------------------------------------------ ratios and reports
 
 
@@ -440,6 +520,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"ingest {_fmt(fill.get('spans_per_s'))} spans/s.",
         "",
     ]
+    lines += proxy_markdown(report.get("proxy_overhead"))
     return "\n".join(lines) + "\n"
 
 
@@ -527,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = [one_run(sizes, workdir, i + 1, log) for i in range(sizes.runs)]
         fill = rss_after_fill(sizes, workdir, log)
+        proxy = proxy_overhead(profile, workdir, log)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     per_run = [run_ratios(run) for run in runs]
@@ -551,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         "completion_latency_p99_ms": latency,
         "rss_1m_spans_sqlite_mib": rss,
         "rss_after_fill": fill,
+        "proxy_overhead": proxy,
         "runs": runs,
         "notes": "Top-level ratios are the worst over runs (and, against the ceiling, over the unary and stream "
         "shapes); completion latency is the worst p99 of both backends and both ways of waiting.",

@@ -39,4 +39,7 @@ def test_the_benchmark_harness_runs_every_grpc_peer_and_writes_its_reports(tmp_p
         "rollout_cycle_k32_vs_agl_memory",
     }
     assert "completion_latency_p99_ms" in report and "rss_1m_spans_sqlite_mib" in report
+    proxy = report["proxy_overhead"]  # through `serve --proxy-backend` to the embedded engine, and direct
+    assert "error" not in proxy, proxy
+    assert proxy["spans_recorded_agent0"] > 0 and proxy["throughput_ratio"] > 0
     assert "| goal | figure | target | met |" in (tmp_path / "latest.md").read_text()

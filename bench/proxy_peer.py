@@ -1,0 +1,188 @@
+"""The LLM proxy's overhead: the same chat call against the engine directly and through the proxy.
+
+    python bench/proxy_peer.py --direct http://127.0.0.1:8000/v1 --proxy http://127.0.0.1:4748 \
+        --store 127.0.0.1:4747 --model tiny --calls 200 --concurrent-calls 640 --concurrency 32
+
+Prints one JSON object: for each path (``direct``, ``via_proxy``) p50/p99 ms per call at 1 agent
+(calls interleaved, direct then proxy, so both see the same engine state) and calls/s with p50/p99
+at ``--concurrency`` agents; plus ``added`` (via_proxy minus direct) and the throughput ratio.
+Through the proxy each agent calls its own attempt's route (/rollout/{id}/attempt/{id}/v1), made
+here with StoreClient.start_rollout, so every call is admitted by the Store and recorded as a span.
+Both paths post the same body (max_tokens 8, temperature 0 by default) with one shared aiohttp
+session, the lightest Python client, so the figures show the proxy rather than the client; warm-up
+calls are not counted. Only 127.0.0.1.
+
+
+serves a stand-in engine instead (fixed answer in vLLM's dialect, token ids included; prints
+``READY PORT``): the smoke profile uses it, since the tiny model takes seconds to build and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+MESSAGES = [{"role": "user", "content": "Count from one to ten."}]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
+def summary(latencies_ms: list[float]) -> dict[str, Any]:
+    return {
+        "calls": len(latencies_ms),
+        "p50_ms": pct(latencies_ms, 0.50),
+        "p99_ms": pct(latencies_ms, 0.99),
+        "mean_ms": round(statistics.fmean(latencies_ms), 3) if latencies_ms else None,
+    }
+
+
+class Path:
+    """One way to reach the model: a base URL per agent (the same for every agent when direct)."""
+
+    def __init__(self, name: str, urls: list[str], http: Any, model: str, max_tokens: int) -> None:
+        self.name = name
+        self.urls = [u.rstrip("/") + "/chat/completions" for u in urls]
+        self.http = http
+        self.body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0.0}
+        self.errors = 0
+        self.last_error = ""
+
+    async def call(self, agent: int) -> float | None:
+        start = time.perf_counter()
+        try:
+            async with self.http.post(self.urls[agent], json=self.body) as resp:
+                data = await resp.json()
+                if resp.status != 200 or not data.get("choices"):
+                    raise RuntimeError(f"HTTP {resp.status}: {json.dumps(data)[:200]}")
+        except Exception as exc:  # counted and reported, never hidden
+            self.errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            return None
+        return (time.perf_counter() - start) * 1000
+
+
+async def concurrent(path: Path, calls: int, agents: int, deadline: float) -> dict[str, Any]:
+    latencies: list[float] = []
+    left = calls
+
+    async def agent(i: int) -> None:
+        nonlocal left
+        while left > 0 and time.monotonic() < deadline:
+            left -= 1
+            ms = await path.call(i)
+            if ms is not None:
+                latencies.append(ms)
+
+    await asyncio.gather(*(path.call(i) for i in range(agents)))  # warm-up: one call per agent
+    start = time.perf_counter()
+    await asyncio.gather(*(agent(i) for i in range(agents)))
+    elapsed = time.perf_counter() - start
+    return {
+        **summary(latencies),
+        "calls_per_s": round(len(latencies) / elapsed, 1),
+        "seconds": round(elapsed, 2),
+    }
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import aiohttp
+
+    from lightning_grpc.client import StoreClient
+
+    agents = args.concurrency
+    connector = aiohttp.TCPConnector(limit=agents * 2 + 8)
+    timeout = aiohttp.ClientTimeout(total=60.0)
+    async with (
+        StoreClient(args.store) as store,
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as http,
+    ):
+        rollouts = [await store.start_rollout({"bench": "proxy", "agent": i}) for i in range(agents)]
+        proxy_base = args.proxy.rstrip("/").removesuffix("/v1")
+        routes = [
+            f"{proxy_base}/rollout/{r.rollout_id}/attempt/{r.latest_attempt.attempt_id}/v1" for r in rollouts
+        ]  # type: ignore[union-attr]
+        direct = Path("direct", [args.direct] * agents, http, args.model, args.max_tokens)
+        proxied = Path("via_proxy", routes, http, args.model, args.max_tokens)
+        started = time.monotonic()
+        deadline = started + args.max_seconds
+
+        for _ in range(args.warmup):
+            await direct.call(0)
+            await proxied.call(0)
+        single: dict[str, list[float]] = {"direct": [], "via_proxy": []}
+        for _ in range(args.calls):
+            if time.monotonic() > deadline:
+                break
+            for path in (direct, proxied):
+                ms = await path.call(0)
+                if ms is not None:
+                    single[path.name].append(ms)
+
+        phase_deadline = time.monotonic() + args.max_seconds
+        many = {}
+        for path in (direct, proxied):
+            many[path.name] = await concurrent(path, args.concurrent_calls, agents, phase_deadline)
+            phase_deadline = time.monotonic() + args.max_seconds
+
+        await asyncio.sleep(0.5)  # the proxy writes spans in the background
+        spans = len(await store.query_spans(rollouts[0].rollout_id))
+
+    out: dict[str, Any] = {"max_tokens": args.max_tokens, "warmup_calls": args.warmup, "concurrency": agents}
+    for path in (direct, proxied):
+        out[path.name] = {
+            "agents_1": summary(single[path.name]),
+            f"agents_{agents}": many[path.name],
+            "errors": path.errors,
+            **({"last_error": path.last_error} if path.errors else {}),
+        }
+
+    def diff(key: str, metric: str) -> float | None:
+        a, b = out["via_proxy"][key].get(metric), out["direct"][key].get(metric)
+        return round(a - b, 3) if a is not None and b is not None else None
+
+    k = f"agents_{agents}"
+    d, p = out["direct"][k]["calls_per_s"], out["via_proxy"][k]["calls_per_s"]
+    out["added_ms"] = {
+        "agents_1": {"p50": diff("agents_1", "p50_ms"), "p99": diff("agents_1", "p99_ms")},
+        k: {"p50": diff(k, "p50_ms"), "p99": diff(k, "p99_ms")},
+    }
+    out["throughput_ratio"] = round(p / d, 3) if d else None
+    out["spans_recorded_agent0"] = spans
+    out["seconds"] = round(time.monotonic() - started, 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--direct", help="the engine's base URL (…/v1)")
+    p.add_argument("--proxy", help="the proxy's HTTP address (http://127.0.0.1:PORT)")
+    p.add_argument("--store", help="the Store's address (127.0.0.1:PORT)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--calls", type=int, default=200, help="calls per path at 1 agent")
+    p.add_argument("--concurrent-calls", type=int, default=640, help="calls per path at --concurrency agents")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=10, help="uncounted calls per path first")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-seconds", type=float, default=60.0, help="time bound of each measured phase")
+    args = p.parse_args(argv)
+    if not (args.direct and args.proxy and args.store):
+        p.error("--direct, --proxy and --store are required")
+    for url in (args.direct, args.proxy, args.store):
+        if "127.0.0.1" not in url:
+            p.error(f"only 127.0.0.1: {url}")
+    print(json.dumps(asyncio.run(measure(args))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
