@@ -43,6 +43,8 @@ class InvalidArgumentError(LightningError):
     default_reason = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, message: str, *, reason: str | None = None, **metadata: str) -> None:
+        if len(field) > 150:  # a field path built from a huge key; message and metadata name the same text
+            field = field[:149] + "…"
         super().__init__(f"{field}: {message}", reason=reason, field=field, **metadata)
         self.field = field
 

@@ -9,7 +9,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from lightning_grpc import convert
-from lightning_grpc.errors import InvalidArgumentError, LightningError, UnavailableError
+from lightning_grpc.errors import InvalidArgumentError, LightningError
 from lightning_grpc.store import SpanRecord, SpanSelection, Store
 from lightning_grpc.v1 import span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
@@ -263,10 +263,6 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
         async for batch in request_iterator:
             if isinstance(batch, Undecodable):
                 raise batch.error()
-            if self.shutting_down:  # the client resends what was not acknowledged
-                raise UnavailableError(
-                    "the server is shutting down; reconnect and resend", reason="SHUTTING_DOWN"
-                )
             try:
                 result = await self.store.add_spans(
                     span_records(batch.spans), batch.rollout_id, batch.attempt_id
