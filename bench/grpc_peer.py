@@ -50,15 +50,6 @@ def latency_ms(values: list[float]) -> dict[str, float]:
     }
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | 0x80 if n else b)
-        if not n:
-            return bytes(out)
-
-
 class SpanFactory:
     """Serialized benchmark spans with unique span ids, made by patching a template."""
 
@@ -82,7 +73,7 @@ class SpanFactory:
 
     def field(self, tag: int, index: int) -> bytes:
         """The span as a length-delimited field with the given tag byte."""
-        return bytes([tag]) + _varint(self.size) + self.span(index)
+        return convert.length_delimited(tag, self.span(index))
 
 
 def add_spans_request(rollout_id: str, attempt_id: str, spans: list[bytes]) -> bytes:

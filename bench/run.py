@@ -44,6 +44,8 @@ RESULTS = BENCH / "results"
 @dataclass
 class Sizes:
     spans: int = 20_000
+    #: Spans sent one per call (the slow path of every peer).
+    single_spans: int = 4_000
     writers: tuple[int, ...] = (1, 8, 32)
     rollouts: int = 2_000
     cycle_workers: tuple[int, ...] = (8, 32)
@@ -59,7 +61,8 @@ PROFILES = {
     "full": Sizes(),
     "quick": Sizes(
         spans=5_000,
-        writers=(1, 8),
+        single_spans=500,
+        writers=(8,),
         rollouts=500,
         cycle_workers=(32,),
         latency_samples=20,
@@ -231,7 +234,7 @@ def run_grpc_store(srv: Server, sizes: Sizes, setup: bool) -> dict[str, Any]:
     shapes = ["single", "unary64", "stream64"]
     for w in sizes.writers:
         for shape in shapes:
-            spans = sizes.spans if shape != "single" else min(sizes.spans, 4_000)
+            spans = sizes.spans if shape != "single" else min(sizes.spans, sizes.single_spans)
             args = ["span-ingest", "--writers", str(w), "--spans", str(spans), "--shape", shape]
             out[f"span_ingest/w{w}/{shape}"] = grpc_drive(srv, args + (["--setup"] if setup else []), sizes)
     if not setup:
@@ -253,7 +256,7 @@ def run_agl(srv: Server, sizes: Sizes) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for w in sizes.writers:
         for path in ("single", "otlp64"):
-            spans = sizes.spans if path == "otlp64" else min(sizes.spans, 4_000)
+            spans = sizes.spans if path == "otlp64" else min(sizes.spans, sizes.single_spans)
             args = ["span-ingest", "--writers", str(w), "--spans", str(spans), "--path", path]
             out[f"span_ingest/w{w}/{path}"] = agl_drive(srv, args, sizes)
     for k in sizes.cycle_workers:

@@ -68,7 +68,8 @@ def dict_to_struct(
     d: Mapping[str, Any], out: struct_pb2.Struct | None = None, field: str = "value"
 ) -> struct_pb2.Struct:
     s = out if out is not None else struct_pb2.Struct()
-    s.SetInParent() if out is not None else None
+    if out is not None:
+        s.SetInParent()  # an empty mapping still sets the field
     for k, item in d.items():
         python_to_value(item, s.fields[str(k)], f"{field}.{k}")
     return s
@@ -434,3 +435,21 @@ def span_from_pb(m: span_pb2.Span) -> t.Span:
         links=[t.SpanLink(k.trace_id, k.span_id, attributes_from_pb(k.attributes)) for k in m.links],
         resource=attributes_from_pb(m.resource),
     )
+
+
+# ------------------------------------------------------------------ wire format
+
+
+def varint(n: int) -> bytes:
+    """A non-negative integer in Protobuf's varint encoding."""
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
+
+
+def length_delimited(tag: int, data: bytes) -> bytes:
+    """A length-delimited field (``tag`` is the field's key byte, e.g. 0x0A for field 1) carrying ``data``."""
+    return bytes((tag,)) + varint(len(data)) + data

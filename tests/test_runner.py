@@ -487,3 +487,42 @@ async def test_sigterm_while_a_fleet_starts_stops_it_cleanly(
         assert await client.query_workers() == []
     else:
         assert proc.returncode == 0, out.decode()[-2000:]
+
+
+async def test_the_runner_command_runs_ray_actors_on_a_local_ray(
+    server: RunningServer, client: StoreClient
+) -> None:
+    pytest.importorskip("ray")
+    if server.store.backend.name != "sqlite":
+        pytest.skip("one backend is enough for the Ray path of the command")
+    ids = [r.rollout_id for r in await client.enqueue_rollouts([{"input": {"i": i}} for i in range(12)])]
+    proc = await runner_process(
+        f"127.0.0.1:{server.port}",
+        "tests.runner_agents:sync_counter",
+        "--ray",
+        "--processes",
+        "2",
+        "--max-rollouts",
+        "6",
+        "--poll-wait",
+        "0.3",
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 180)
+    assert proc.returncode == 0, out.decode()[-3000:]
+    done = await client.wait_for_rollouts(ids, timeout=5)
+    assert len(done) == 12 and {r.status for r in done} == {RolloutStatus.SUCCEEDED}
+    assert "event=ray_fleet_exit actors=2" in out.decode()
+
+
+async def test_the_runner_heartbeats_its_worker_with_machine_stats(
+    server: RunningServer, client: StoreClient
+) -> None:
+    runner = Runner(rollout(lambda task: 1.0), f"127.0.0.1:{server.port}", worker_id="stats-worker")
+    outcome = await runner.step("x")
+    await runner.close()
+    assert outcome.rollout.status == RolloutStatus.SUCCEEDED
+    worker = await client.get_worker_by_id("stats-worker")
+    assert worker is not None and worker.last_heartbeat_time is not None
+    stats = worker.heartbeat_stats
+    assert stats["cpu_cores"] >= 1 and stats["memory_total_gib"] > 0 and "cpu_percent" in stats
+    assert stats["pid"] > 0 and "completed_rollouts" in stats and "active_rollouts" in stats

@@ -22,8 +22,6 @@ from .errors import from_rpc_error
 
 T = TypeVar("T")
 
-_ENUMS: dict[type, type] = {}
-
 
 def _enum(kind: type[T], value: Any) -> T:
     """Accept an enum member, its number, or its name in any case ("succeeded", "SUCCEEDED")."""

@@ -116,6 +116,7 @@ class Runner:
         self._processor = install_tracing()
         self._streamer = self._processor.streamer_for(self.config.target, self.config.token)
         await _maybe_await(self.agent.setup())
+        await self._beat_worker()  # the worker is known, with its stats, before it takes work
         self._worker_task = asyncio.create_task(self._worker_heartbeats(), name="lightning-worker-heartbeat")
         log.info(
             "event=runner_started worker_id=%s concurrency=%d store=%s",
@@ -371,16 +372,19 @@ class Runner:
 
     async def _worker_heartbeats(self) -> None:
         while True:
-            try:
-                stats = await asyncio.to_thread(system_snapshot, self.include_gpu_stats)
-                stats["active_rollouts"] = len(self._active)
-                stats["completed_rollouts"] = self.completed
-                await self.client.update_worker(self.worker_id, stats)
-            except LightningError as exc:
-                log.warning("event=worker_heartbeat_failed worker_id=%s error=%s", self.worker_id, exc)
-            except Exception as exc:  # stats must never stop the runner
-                log.warning("event=worker_stats_failed error=%r", exc)
             await asyncio.sleep(self.worker_heartbeat_interval)
+            await self._beat_worker()
+
+    async def _beat_worker(self) -> None:
+        try:
+            stats = await asyncio.to_thread(system_snapshot, self.include_gpu_stats)
+            stats["active_rollouts"] = len(self._active)
+            stats["completed_rollouts"] = self.completed
+            await self.client.update_worker(self.worker_id, stats)
+        except LightningError as exc:
+            log.warning("event=worker_heartbeat_failed worker_id=%s error=%s", self.worker_id, exc)
+        except Exception as exc:  # stats must never stop the runner
+            log.warning("event=worker_stats_failed error=%r", exc)
 
     async def _call_hooks(self, name: str, *args: Any) -> None:
         for hook in self.hooks:

@@ -101,11 +101,16 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             convert.rollout_to_pb(r, resp.rollouts.add())
         return resp
 
-    async def _dequeue(self, request: pb.DequeueRolloutsRequest, context: Ctx) -> list[Any]:
-        wait = self.store.check_wait(_wait(request, "wait_timeout"), "wait_timeout")
+    def _bounded_wait(self, request: Any, field: str, context: Ctx) -> float:
+        """A request's wait, validated, then shortened so the answer comes before the caller's deadline."""
+        wait = self.store.check_wait(_wait(request, field), field)
         remaining = context.time_remaining()
-        if wait is not None and remaining is not None:
-            wait = max(0.0, min(wait, remaining - 0.05))  # answer before the caller's deadline
+        if remaining is not None:
+            wait = max(0.0, min(wait, remaining - 0.05))
+        return wait
+
+    async def _dequeue(self, request: pb.DequeueRolloutsRequest, context: Ctx) -> list[Any]:
+        wait = self._bounded_wait(request, "wait_timeout", context)
         return await self.store.dequeue_rollouts(
             request.worker_id, request.max_rollouts, wait, request.request_id
         )
@@ -392,10 +397,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def WaitForRollouts(
         self, request: pb.WaitForRolloutsRequest, context: Ctx
     ) -> pb.WaitForRolloutsResponse:
-        wait = self.store.check_wait(_wait(request, "timeout"), "timeout")
-        remaining = context.time_remaining()
-        if wait is not None and remaining is not None:
-            wait = max(0.0, min(wait, remaining - 0.05))
+        wait = self._bounded_wait(request, "timeout", context)
         rollouts = await self.store.wait_for_rollouts(list(request.rollout_ids), wait)
         resp = pb.WaitForRolloutsResponse()
         for r in rollouts:

@@ -1,11 +1,10 @@
 """Wire-level views of the span messages, for the hot paths of the Store.
 
-A span batch arrives as ``AddSpansRequest``; parsing every span fully and serializing it again
-for storage would cost more than everything else the store does. These messages read the same
-bytes differently: ``repeated Span spans`` as ``repeated bytes`` (the wire format of an embedded
-message and of bytes is the same), and each span through :class:`SpanHeader`, which decodes only
-the fields the store breaks out and skips the rest. The stored body is then the span exactly as
-the client sent it. They live in a private descriptor pool, outside the ``lightning.v1`` contract.
+A span batch arrives as ``AddSpansRequest``; these messages read the same bytes with
+``repeated Span spans`` as ``repeated bytes`` (the wire format of an embedded message and of bytes
+is the same), so each span's bytes can be stored exactly as the client sent them, without being
+serialized again. They live in a private descriptor pool, outside the ``lightning.v1`` contract.
+Reads are answered the same way: stored bytes with the store's ids appended.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from lightning_grpc.convert import length_delimited, varint
 
 _F = descriptor_pb2.FieldDescriptorProto
 _STRING, _BYTES, _INT64, _UINT64, _FIXED64 = (
@@ -26,17 +27,6 @@ _ONE, _MANY = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
 
 # Field numbers are those of lightning.v1.Span, AddSpansRequest and AddSpansStreamRequest.
 _MESSAGES: dict[str, list[tuple[int, str, int, int]]] = {
-    "SpanHeader": [
-        (1, "rollout_id", _STRING, _ONE),
-        (2, "attempt_id", _STRING, _ONE),
-        (3, "sequence_id", _INT64, _ONE),
-        (4, "trace_id", _STRING, _ONE),
-        (5, "span_id", _STRING, _ONE),
-        (6, "parent_span_id", _STRING, _ONE),
-        (7, "name", _STRING, _ONE),
-        (9, "start_time_unix_nano", _FIXED64, _ONE),
-        (10, "end_time_unix_nano", _FIXED64, _ONE),
-    ],
     "AddSpansRequestRaw": [
         (1, "rollout_id", _STRING, _ONE),
         (2, "attempt_id", _STRING, _ONE),
@@ -68,41 +58,27 @@ def _build() -> dict[str, Any]:
 
 
 _CLASSES = _build()
-SpanHeader: Any = _CLASSES["SpanHeader"]
 AddSpansRequestRaw: Any = _CLASSES["AddSpansRequestRaw"]
 AddSpansStreamRequestRaw: Any = _CLASSES["AddSpansStreamRequestRaw"]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | 0x80 if n else b)
-        if not n:
-            return bytes(out)
-
-
-def _length_delimited(tag: int, data: bytes) -> bytes:
-    return bytes((tag,)) + _varint(len(data)) + data
 
 
 def stored_span(body: bytes, rollout_id: str, attempt_id: str, sequence_id: int) -> bytes:
     """A stored span body with the store's ids appended (in Protobuf the last value of a field wins)."""
     return (
         body
-        + _length_delimited(0x0A, rollout_id.encode())
-        + _length_delimited(0x12, attempt_id.encode())
+        + length_delimited(0x0A, rollout_id.encode())
+        + length_delimited(0x12, attempt_id.encode())
         + b"\x18"
-        + _varint(sequence_id)
+        + varint(sequence_id)
     )
 
 
 def spans_message(records: Any, next_page_token: str = "") -> bytes:
     """Serialized ListSpansResponse / TailSpansResponse: ``repeated Span spans = 1`` (+ token = 2)."""
     parts = [
-        _length_delimited(0x0A, stored_span(r.body, r.rollout_id, r.attempt_id, r.sequence_id))
+        length_delimited(0x0A, stored_span(r.body, r.rollout_id, r.attempt_id, r.sequence_id))
         for r in records
     ]
     if next_page_token:
-        parts.append(_length_delimited(0x12, next_page_token.encode()))
+        parts.append(length_delimited(0x12, next_page_token.encode()))
     return b"".join(parts)

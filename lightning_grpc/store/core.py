@@ -381,7 +381,8 @@ class Store:
 
     @staticmethod
     def _check_worker_id(value: str, field: str = "worker_id") -> None:
-        if value and not _ID_RE.fullmatch(value):
+        """Worker ids are optional; a given one follows the id syntax."""
+        if value:
             Store._check_id(value, field)
 
     def _check_config(self, config: RolloutConfig, field: str) -> RolloutConfig:
@@ -1204,7 +1205,6 @@ class Store:
         sequence_ids = [0] * len(records)
         stored = duplicates = 0
         stored_bytes = 0
-        touched: dict[str, tuple[RolloutState, AttemptState]] = {}
         for i, rec in enumerate(records):
             rs, ast = targets[i]
             ids = ast.span_ids if ast.span_ids is not None else self._span_index(rs, ast)
@@ -1213,10 +1213,8 @@ class Store:
                 sequence_ids[i] = seq
                 duplicates += 1
                 continue
-            if rec.sequence_id:
+            if rec.sequence_id:  # its number was claimed above
                 seq = rec.sequence_id
-                if seq >= ast.next_sequence_id:
-                    ast.next_sequence_id = seq + 1
             else:
                 seq = ast.next_sequence_id
                 ast.next_sequence_id = seq + 1
@@ -1229,9 +1227,9 @@ class Store:
             tx.spans.append(rec)
             ast.span_count += 1
             stored += 1
-            stored_bytes += len(rec.body) + SPAN_OVERHEAD_BYTES
-            if ast.attempt.attempt_id not in touched:
-                touched[ast.attempt.attempt_id] = (rs, ast)
+            size = len(rec.body) + SPAN_OVERHEAD_BYTES
+            rs.bytes += size
+            stored_bytes += size
         for rs, ast in {t[1].attempt.attempt_id: t for t in targets}.values():
             ast.index_used_at = now
             self._touch(rs, ast, now, tx)
@@ -1239,15 +1237,7 @@ class Store:
             tx.span_rollouts.add(rs.rollout.rollout_id)
         self._indexed_spans += stored
         self._total_spans += stored
-        if stored_bytes:
-            for rs, _ in touched.values():
-                share = sum(
-                    len(r.body) + SPAN_OVERHEAD_BYTES
-                    for r in tx.spans
-                    if r.rollout_id == rs.rollout.rollout_id
-                )
-                rs.bytes += share
-            self._memory_bytes += stored_bytes
+        self._memory_bytes += stored_bytes
         return AddSpansResult(sequence_ids=sequence_ids, stored_count=stored, duplicate_count=duplicates)
 
     async def next_span_sequence_id(self, rollout_id: str, attempt_id: str, count: int = 1) -> int:
@@ -1454,9 +1444,9 @@ class Store:
     # ================================================================== workers
     async def heartbeat_worker(self, worker_id: str, stats: dict[str, Any] | None = None) -> Worker:
         self._check_writable()
-        self._check_id(worker_id, "worker_id") if worker_id else None
         if not worker_id:
             raise InvalidArgumentError("worker_id", "is required")
+        self._check_id(worker_id, "worker_id")
         if stats is not None:
             stats = self._check_metadata(stats, "heartbeat_stats")
         ws = self._worker(worker_id)

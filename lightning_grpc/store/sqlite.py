@@ -204,7 +204,7 @@ class SqliteBackend:
         for row in db.query(
             "SELECT revision, body FROM changes ORDER BY revision DESC LIMIT ?", [self.change_retention]
         ):
-            state.changes.append(Change(row["revision"], rows.rollout_from_dict(_json_loads(row["body"]))))
+            state.changes.append(Change(row["revision"], rows.rollout_from_dict(json.loads(row["body"]))))
         state.changes.reverse()
         state.revision = int(meta.get("revision", "0"))
         if state.changes:
@@ -376,10 +376,6 @@ class SqliteBackend:
             self._index_conn.close()
             self._index_conn = None
         log.info("event=sqlite_closed path=%s", self.path)
-
-
-def _json_loads(text: str) -> Any:
-    return json.loads(text)
 
 
 def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:

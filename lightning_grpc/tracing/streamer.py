@@ -21,21 +21,13 @@ from typing import Any
 
 import grpc
 
+from lightning_grpc.convert import length_delimited
 from lightning_grpc.v1 import store_service_pb2 as pb
 
 log = logging.getLogger("lightning_grpc.tracing")
 
 _METHOD = "/lightning.v1.StoreService/AddSpansStream"
 Key = tuple[str, str]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | 0x80 if n else b)
-        if not n:
-            return bytes(out)
 
 
 @dataclass
@@ -170,7 +162,7 @@ class SpanStreamer:
                 batch_id = self._next_batch
                 self._next_batch += 1
                 head = pb.AddSpansStreamRequest(batch_id=batch_id, rollout_id=key[0], attempt_id=key[1])
-                payload = head.SerializeToString() + b"".join(b"\x22" + _varint(len(s)) + s for s in chunk)
+                payload = head.SerializeToString() + b"".join(length_delimited(0x22, s) for s in chunk)
                 batch = _Batch(batch_id, key, len(chunk), payload)
                 self._unacked[batch_id] = batch
                 self._to_send.put_nowait(batch)
