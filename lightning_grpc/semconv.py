@@ -74,6 +74,14 @@ LLM_USAGE_PROMPT_TOKENS = "gen_ai.usage.input_tokens"
 LLM_USAGE_COMPLETION_TOKENS = "gen_ai.usage.output_tokens"
 LLM_ERROR = "lightning.llm.error"
 
+# The agent a span belongs to (the trainer's adapter reads it from the nearest ancestor of an LLM call).
+AGENT_NAME = "lightning.agent.name"
+#: The OpenAI Agents SDK's name for the same thing; read, never written.
+OPENAI_AGENTS_AGENT_NAME = "agent.name"
+
+#: OpenTelemetry's status code of a span that failed (``Span.status_code``).
+STATUS_CODE_ERROR = 2
+
 # ------------------------------------------------------------------ attribution helpers
 
 
@@ -156,6 +164,54 @@ def read_primary_reward(attributes: Mapping[str, Any]) -> float | None:
     if PRIMARY in dims:
         return dims[PRIMARY]
     return next(iter(dims.values()))  # the reference's encoding: the first dimension is primary
+
+
+def read_reward_dimension(attributes: Mapping[str, Any], dimension: str | None = None) -> float | None:
+    """The value of one named reward dimension of a span (None: the primary one), or None."""
+    if dimension is None:
+        return read_primary_reward(attributes)
+    return (read_reward(attributes) or {}).get(dimension)
+
+
+def is_reward_scope(name: str, attributes: Mapping[str, Any]) -> bool:
+    """Whether a span is a reward scope: it carries a reward, or it is the reward span or operation.
+
+    LLM calls made inside a reward scope (LLM-as-judge) grade the agent; they are not the agent's.
+    """
+    if name == SPAN_REWARD:
+        return True
+    if name == SPAN_OPERATION and attributes.get(OPERATION_NAME) == SPAN_REWARD:
+        return True
+    return read_reward(attributes) is not None
+
+
+# ------------------------------------------------------------------ agents and LLM calls
+
+
+def read_agent_name(name: str, attributes: Mapping[str, Any]) -> str | None:
+    """The agent a span names: :data:`AGENT_NAME`, else the OpenAI Agents SDK's ``agent.name``, else the
+    name of an operation span (a reward operation names no agent); None when the span names none."""
+    for key in (AGENT_NAME, OPENAI_AGENTS_AGENT_NAME):
+        value = attributes.get(key)
+        if isinstance(value, str) and value:
+            return value
+    if name == SPAN_OPERATION:
+        operation_name = attributes.get(OPERATION_NAME)
+        if isinstance(operation_name, str) and operation_name and operation_name != SPAN_REWARD:
+            return operation_name
+    return None
+
+
+def read_llm_error(
+    attributes: Mapping[str, Any], status_code: int = 0, status_message: str = ""
+) -> str | None:
+    """Why an LLM call failed (:data:`LLM_ERROR`, else the span's error status), or None when it did not."""
+    error = attributes.get(LLM_ERROR)
+    if error:
+        return str(error)
+    if status_code == STATUS_CODE_ERROR:
+        return status_message or "span status ERROR"
+    return None
 
 
 # ------------------------------------------------------------------ objects, messages, links, tags

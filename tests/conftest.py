@@ -18,6 +18,7 @@ from lightning_grpc.client import StoreClient
 from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.engine_fixtures"]
 BACKENDS = ["memory", "sqlite"]
 
 

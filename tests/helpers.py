@@ -28,3 +28,40 @@ def make_span(
 def make_spans(n: int, name: str = "step", trace_id: str | None = None) -> list[Span]:
     trace = trace_id or uuid.uuid4().hex
     return [make_span(name, trace_id=trace, index=i) for i in range(n)]
+
+
+def llm_call(
+    prompt: list[int],
+    response: list[int],
+    *,
+    logprobs: list[float] | None = None,
+    version: int = 0,
+    start_ns: int | None = None,
+    **attributes: object,
+) -> Span:
+    """An LLM-call span as the proxy writes it (token ids as int arrays)."""
+    from lightning_grpc import semconv
+
+    span = make_span(semconv.SPAN_LLM_CALL, **attributes)
+    span.attributes.update(
+        {
+            semconv.LLM_PROMPT_TOKEN_IDS: list(prompt),
+            semconv.LLM_RESPONSE_TOKEN_IDS: list(response),
+            semconv.LLM_POLICY_VERSION: version,
+            semconv.LLM_MODEL: "policy",
+        }
+    )
+    if logprobs is not None:
+        span.attributes[semconv.LLM_RESPONSE_LOGPROBS] = list(logprobs)
+    if start_ns is not None:
+        span.start_time_unix_nano, span.end_time_unix_nano = start_ns, start_ns + 1000
+    return span
+
+
+def reward_span(value: float, *, start_ns: int | None = None) -> Span:
+    from lightning_grpc import semconv
+
+    span = make_span(semconv.SPAN_REWARD, **semconv.reward_attributes(value))
+    if start_ns is not None:
+        span.start_time_unix_nano, span.end_time_unix_nano = start_ns, start_ns + 1000
+    return span

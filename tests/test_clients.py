@@ -846,3 +846,42 @@ async def test_lgrpcurl_works_with_any_reflecting_server_and_client_streams(echo
     assert broken.rc == 2 and "request 4 must be a JSON object" in broken.stderr, (
         broken
     )  # the call is cancelled
+
+
+async def test_buf_trainer_recipes_submit_groups_and_take_a_padded_batch(
+    sh: Shell, store: RunningServer
+) -> None:
+    import base64
+
+    import numpy as np
+
+    from lightning_grpc.client import StoreClient
+    from tests.helpers import llm_call, reward_span
+
+    block = readme_block("$TRAINER/GetBatch")
+    submit, get = (line for line in block.splitlines() if line.startswith("bcurl "))
+    submitted = await sh.run("TRAINER=$SERVER/lightning.v1.TrainerService\n" + submit)
+    assert submitted.rc == 0, submitted
+    groups = submitted.documents[0]["groups"]
+    assert [g["rolloutIds"] for g in groups] == [[f"{g}-r{i}" for i in range(3)] for g in ("g-1", "g-2")]
+    async with StoreClient(address_of(store)) as client:
+        for claimed in await client.dequeue_rollouts(6, worker_id="w", wait=5):
+            attempt = claimed.latest_attempt
+            assert attempt is not None
+            spans = [llm_call([1, 2, 3], [4, 5], logprobs=[-0.1, -0.2]), reward_span(1.0)]
+            await client.add_spans(spans, rollout_id=claimed.rollout_id, attempt_id=attempt.attempt_id)
+            await client.complete_attempt(claimed.rollout_id, attempt.attempt_id, "succeeded")
+    taken = await sh.run("TRAINER=$SERVER/lightning.v1.TrainerService\n" + get)
+    assert taken.rc == 0, taken
+    [message] = taken.documents
+    header = message["header"]
+    assert header["batchId"] == "step-1" and header["groupIds"] == ["g-1", "g-2"] and header["rowCount"] == 6
+    tensor = message["tensors"]["input_ids"]
+    assert tensor["dtype"] == "D_TYPE_UINT16"
+    shape = [int(n) for n in tensor["shape"]]
+    ids = np.frombuffer(base64.b64decode(tensor["data"] + "=="), "<u2").reshape(shape)
+    assert ids.tolist() == [[1, 2, 3, 4, 5]] * 6
+    documented = readme_json('"batchId": "step-1"')
+    assert set(documented["header"]) <= set(
+        pb.DESCRIPTOR.pool.FindMessageTypeByName("lightning.v1.BatchHeader").fields_by_camelcase_name
+    )

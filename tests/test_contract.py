@@ -5,8 +5,19 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from lightning_grpc.proxy.service import ProxyServicer
 from lightning_grpc.server.store_servicer import StoreServicer
-from lightning_grpc.v1 import store_service_pb2, store_service_pb2_grpc
+from lightning_grpc.server.trainer_servicer import TrainerServicer
+from lightning_grpc.v1 import (
+    proxy_service_pb2,
+    proxy_service_pb2_grpc,
+    store_service_pb2,
+    store_service_pb2_grpc,
+    trainer_service_pb2,
+    trainer_service_pb2_grpc,
+)
 from tests.conftest import ROOT
 
 
@@ -17,10 +28,20 @@ def test_stubs_import_under_lightning_grpc_with_wire_names_unchanged() -> None:
     assert store_service_pb2_grpc.StoreServiceStub.__module__ == "lightning_grpc.v1.store_service_pb2_grpc"
 
 
-def test_every_rpc_of_the_contract_is_implemented_by_the_servicer() -> None:
-    service = store_service_pb2.DESCRIPTOR.services_by_name["StoreService"]
-    base = store_service_pb2_grpc.StoreServiceServicer
-    missing = [m.name for m in service.methods if getattr(StoreServicer, m.name) is getattr(base, m.name)]
+@pytest.mark.parametrize(
+    ("module", "grpc_module", "name", "servicer"),
+    [
+        (store_service_pb2, store_service_pb2_grpc, "StoreService", StoreServicer),
+        (trainer_service_pb2, trainer_service_pb2_grpc, "TrainerService", TrainerServicer),
+        (proxy_service_pb2, proxy_service_pb2_grpc, "ProxyService", ProxyServicer),
+    ],
+)
+def test_every_rpc_of_the_contract_is_implemented_by_the_servicer(
+    module: object, grpc_module: object, name: str, servicer: type
+) -> None:
+    service = module.DESCRIPTOR.services_by_name[name]  # type: ignore[attr-defined]
+    base = getattr(grpc_module, f"{name}Servicer")
+    missing = [m.name for m in service.methods if getattr(servicer, m.name) is getattr(base, m.name)]
     assert missing == []
 
 

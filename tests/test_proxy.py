@@ -8,17 +8,14 @@ gRPC server, LiteLLM is the real library. No test may reach beyond the loopback 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +29,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from lightning_grpc import semconv
 from lightning_grpc.client import StoreClient
-from lightning_grpc.engine import EngineProcess
 from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from lightning_grpc.proxy import (
     PROXY_SERVICE,
@@ -50,89 +46,16 @@ from lightning_grpc.types import RolloutConfig, Span
 from lightning_grpc.v1 import proxy_service_pb2 as ppb
 from lightning_grpc.v1 import proxy_service_pb2_grpc as ppb_grpc
 from tests.conftest import ROOT
+from tests.engine_fixtures import CLI, MODEL, QUIET_ENV, Engine, loopback_guard
 
-CLI = [sys.executable, "-m", "lightning_grpc.cli.main"]
-MODEL = "policy"
 MESSAGES: Any = [{"role": "user", "content": "What is 2 + 3? Answer with one number."}]
 #: Keep the engine and the CLI processes polite on a shared machine.
-QUIET_ENV = {
-    **{k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_GRPC_")},
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}
 
 
 # ---------------------------------------------------------------- no internet, ever
 @pytest.fixture(autouse=True)
 def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    """Every socket this process connects must stay on the loopback interface."""
-    outside: list[Any] = []
-    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
-
-    def check(sock: socket.socket, address: Any) -> None:
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:
-                loopback = ipaddress.ip_address(address[0]).is_loopback
-            except ValueError:
-                loopback = address[0] == "localhost"
-            if not loopback:
-                outside.append(address)
-                raise OSError(f"test tried to reach {address} (only loopback is allowed)")
-
-    def connect(sock: socket.socket, address: Any) -> None:
-        check(sock, address)
-        real_connect(sock, address)
-
-    def connect_ex(sock: socket.socket, address: Any) -> int:
-        check(sock, address)
-        return real_connect_ex(sock, address)
-
-    monkeypatch.setattr(socket.socket, "connect", connect)
-    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
-    yield outside
-    assert not outside, f"connections outside the loopback interface: {outside}"
-
-
-# ---------------------------------------------------------------- the engine (one per module)
-@dataclass
-class Engine:
-    api_base: str
-    model_path: Path
-    served_model: str
-    process: EngineProcess
-
-    def backend(self, model_name: str = MODEL, **kw: Any) -> Backend:
-        return Backend(model_name=model_name, api_base=self.api_base, backend_model=self.served_model, **kw)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-model") / "model"
-    done = subprocess.run(
-        [*CLI, "init-model", str(path)], cwd=ROOT, env=QUIET_ENV, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return path
-
-
-@pytest.fixture(scope="session")
-def engine(tiny_model: Path) -> Iterator[Engine]:
-    """``lightning-grpc engine`` in its own process, serving the tiny model."""
-    process = EngineProcess(
-        tiny_model, served_model_name="tiny", extra_args=["--threads", "1"], env=QUIET_ENV
-    )
-    with process:
-        yield Engine(process.base_url, tiny_model, "tiny", process)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model))
+    yield from loopback_guard(monkeypatch)
 
 
 # ---------------------------------------------------------------- store, proxy, agents

@@ -421,6 +421,8 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if isinstance(value, bytes):
         return base64.b64encode(value).decode()
+    if hasattr(value, "tolist"):  # numpy arrays and scalars
+        return value.tolist()
     return value
 
 

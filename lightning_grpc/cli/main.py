@@ -170,10 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_runner_parser(sub)
-    from lightning_grpc.cli import engine_commands
+    from lightning_grpc.cli import engine_commands, trainer_commands
     from lightning_grpc.cli import inspect as inspect_commands
 
     inspect_commands.add_parsers(sub)
+    trainer_commands.add_parsers(sub)
     engine_commands.add_parsers(sub)
     proxy_commands.add_parsers(sub)
     return parser

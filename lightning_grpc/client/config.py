@@ -32,6 +32,16 @@ IDEMPOTENT_METHODS = (
     "GetStatistics",
 )
 
+#: TrainerService methods safe to retry: group ids and batch request ids are chosen by the client,
+#: and a step reported again with the same content is answered with the stored event.
+TRAINER_IDEMPOTENT_METHODS = (
+    "SubmitGroups",
+    "GetBatch",
+    "ReportStep",
+    "GetTrainerStatus",
+    "GetTriplets",
+)
+
 
 @dataclass(frozen=True)
 class RetryConfig:
@@ -65,7 +75,7 @@ class ClientConfig:
     gzip: bool = False
     keepalive_seconds: float = 30.0
 
-    def service_config(self, service: str = "lightning.v1.StoreService") -> str:
+    def service_config(self) -> str:
         if self.retry is None:
             return json.dumps({"methodConfig": []})
         r = self.retry
@@ -73,7 +83,16 @@ class ClientConfig:
             {
                 "methodConfig": [
                     {
-                        "name": [{"service": service, "method": m} for m in IDEMPOTENT_METHODS],
+                        "name": [
+                            *(
+                                {"service": "lightning.v1.StoreService", "method": m}
+                                for m in IDEMPOTENT_METHODS
+                            ),
+                            *(
+                                {"service": "lightning.v1.TrainerService", "method": m}
+                                for m in TRAINER_IDEMPOTENT_METHODS
+                            ),
+                        ],
                         "retryPolicy": {
                             "maxAttempts": r.max_attempts,
                             "initialBackoff": f"{r.initial_backoff}s",

@@ -1,4 +1,4 @@
-"""A small synchronous wrapper of :class:`StoreClient` for scripts and notebooks."""
+"""Small synchronous wrappers of the async clients, for scripts and notebooks."""
 
 from __future__ import annotations
 
@@ -10,14 +10,17 @@ from typing import Any
 
 from .config import ClientConfig
 from .store import StoreClient
+from .trainer import TrainerClient
 
 
-class SyncStoreClient:
-    """Runs a :class:`StoreClient` on a private event loop thread; every method blocks.
+class _SyncClient:
+    """Runs an async client on a private event loop thread; every method blocks.
 
-    Streaming methods (``tail_spans``, ``watch_rollouts``) return lists: the batches or events
-    seen until the stream ends (use ``follow=False``), so prefer the async client for those.
+    Streaming methods return lists: the items seen until the stream ends (use ``follow=False``),
+    so prefer the async client for those.
     """
+
+    _client_class: Any = StoreClient
 
     def __init__(self, target: str | ClientConfig = "127.0.0.1:4747", **options: Any) -> None:
         self._loop = asyncio.new_event_loop()
@@ -25,11 +28,11 @@ class SyncStoreClient:
             target=self._loop.run_forever, name="lightning-sync-client", daemon=True
         )
         self._thread.start()
-        self._client: StoreClient = self._run(self._make(target, options))
+        self._client = self._run(self._make(target, options))
 
-    @staticmethod
-    async def _make(target: str | ClientConfig, options: dict[str, Any]) -> StoreClient:
-        return StoreClient(target, **options)
+    @classmethod
+    async def _make(cls, target: str | ClientConfig, options: dict[str, Any]) -> Any:
+        return cls._client_class(target, **options)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -53,8 +56,20 @@ class SyncStoreClient:
             self._thread.join()
             self._loop.close()
 
-    def __enter__(self) -> SyncStoreClient:
+    def __enter__(self) -> Any:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SyncStoreClient(_SyncClient):
+    """A blocking :class:`StoreClient`."""
+
+    _client_class = StoreClient
+
+
+class SyncTrainerClient(_SyncClient):
+    """A blocking :class:`TrainerClient`."""
+
+    _client_class = TrainerClient

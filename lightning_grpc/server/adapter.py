@@ -151,3 +151,40 @@ def streaming(
             self.in_flight -= 1
 
     return handler
+
+
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def register_service(
+    service: Any,
+    messages: Any,
+    servicer: Any,
+    server: grpc.aio.Server,
+    *,
+    raw_requests: dict[str, Any] | None = None,
+    raw_responses: set[str] | frozenset[str] = frozenset(),
+) -> None:
+    """Register a service as the generated helper does, but with tolerant request parsing.
+
+    ``messages`` is the generated module holding the request and response classes;
+    ``raw_requests`` replaces some request classes (wire views), and methods in ``raw_responses``
+    answer with bytes already serialized.
+    """
+    handlers = {}
+    for method in service.methods:
+        request_class = (raw_requests or {}).get(method.name) or getattr(messages, method.input_type.name)
+        response_class = getattr(messages, method.output_type.name)
+        make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=tolerant_parser(request_class),
+            response_serializer=None if method.name in raw_responses else response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

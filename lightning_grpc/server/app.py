@@ -1,4 +1,4 @@
-"""Assemble and run the gRPC server: StoreService, health, reflection, auth, TLS, limits, drain."""
+"""Assemble and run the gRPC server: StoreService, TrainerService, OTLP, health, reflection, auth, TLS, limits, drain."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
+from lightning_grpc.trainer import TrainerCore
 from lightning_grpc.v1 import store_service_pb2
 
 from .adapter import ServicerState
 from .auth import BearerTokenInterceptor
 from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
 from .store_servicer import StoreServicer, add_store_service
+from .trainer_servicer import TRAINER_SERVICE, TrainerServicer, add_trainer_service, span_reader
 
 log = logging.getLogger("lightning_grpc.server")
 
@@ -60,6 +62,7 @@ class ServerConfig:
 class RunningServer:
     server: grpc.aio.Server
     store: Store
+    trainer: TrainerCore
     health: HealthServicer
     port: int
     config: ServerConfig
@@ -116,10 +119,17 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         ],
         compression=grpc.Compression.Gzip if config.gzip_responses else None,
     )
-    servicers: list[ServicerState] = [StoreServicer(store), TraceServicer(store)]
-    add_store_service(servicers[0], server)  # type: ignore[arg-type]
-    add_otlp_service(servicers[1], server)  # type: ignore[arg-type]
-    names = [STORE_SERVICE, TRACE_SERVICE]
+    trainer = await TrainerCore(store, span_reader(store)).start()
+    store_servicer, trace_servicer, trainer_servicer = (
+        StoreServicer(store),
+        TraceServicer(store),
+        TrainerServicer(trainer),
+    )
+    add_store_service(store_servicer, server)
+    add_otlp_service(trace_servicer, server)
+    add_trainer_service(trainer_servicer, server)
+    servicers: list[ServicerState] = [store_servicer, trace_servicer, trainer_servicer]
+    names = [STORE_SERVICE, TRACE_SERVICE, TRAINER_SERVICE]
     for name, add in config.extra_services:
         add(server)
         names.append(name)
@@ -156,7 +166,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         config.tls is not None,
         bool(config.token),
     )
-    return RunningServer(server, store, health, port, config, tuple(names), servicers)
+    return RunningServer(server, store, trainer, health, port, config, tuple(names), servicers)
 
 
 async def serve(config: ServerConfig, ready: Callable[[RunningServer], None] | None = None) -> None:

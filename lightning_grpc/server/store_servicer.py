@@ -16,7 +16,7 @@ from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
 from . import wire
-from .adapter import ServicerState, Undecodable, streaming, tolerant_parser, unary
+from .adapter import ServicerState, Undecodable, register_service, streaming, unary
 
 Ctx = grpc.aio.ServicerContext
 
@@ -454,29 +454,18 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
 #: Methods whose requests are read through the wire views, and whose answers are already bytes.
 RAW_REQUESTS = {"AddSpans": wire.AddSpansRequestRaw, "AddSpansStream": wire.AddSpansStreamRequestRaw}
 RAW_RESPONSES = {"ListSpans", "TailSpans"}
-_HANDLER_KINDS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
 
 
 def add_store_service(servicer: StoreServicer, server: grpc.aio.Server) -> None:
-    """Register StoreService as the generated helper does, with the hot span paths kept as bytes."""
-    service = pb.DESCRIPTOR.services_by_name["StoreService"]
-    handlers = {}
-    for method in service.methods:
-        request_class = RAW_REQUESTS.get(method.name) or getattr(pb, method.input_type.name)
-        response_class = getattr(pb, method.output_type.name)
-        make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=tolerant_parser(request_class),
-            response_serializer=None if method.name in RAW_RESPONSES else response_class.SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    server.add_registered_method_handlers(service.full_name, handlers)
+    """Register StoreService, with the hot span paths kept as bytes."""
+    register_service(
+        pb.DESCRIPTOR.services_by_name["StoreService"],
+        pb,
+        servicer,
+        server,
+        raw_requests=RAW_REQUESTS,
+        raw_responses=RAW_RESPONSES,
+    )
 
 
 __all__ = ["StoreServicer", "add_store_service", "span_records"]

@@ -184,6 +184,7 @@ class Store:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_commit: asyncio.Future[None] | None = None
         self._broken: BaseException | None = None
+        self._meta: dict[str, str] = {}
         self._closing = False
         self._closed = False
 
@@ -220,6 +221,7 @@ class Store:
         self._changes = loaded.changes
         self._revision = self._committed_revision = loaded.revision
         self._total_spans = loaded.total_spans
+        self._meta = dict(loaded.meta)
         self._watchdog_wake = asyncio.Event()
         for ast in self._attempts.values():
             if ast.attempt.status.is_active:
@@ -1611,6 +1613,61 @@ class Store:
             except TimeoutError:
                 if not sent:
                     yield WatchEvent(None, self._token(cursor), cursor)
+
+    # ================================================================== for cores built on the store
+    async def durable(self) -> None:
+        """Return once everything changed so far is committed."""
+        await self._durable()
+
+    def rollouts_where(self, predicate: Callable[[Rollout], bool]) -> list[Rollout]:
+        """Snapshots of the rollouts ``predicate`` accepts (await :meth:`durable` first to read committed state)."""
+        return [self._snapshot(rs) for rs in self._rollouts.values() if predicate(rs.rollout)]
+
+    def rollout_snapshots(self, rollout_ids: Iterable[str]) -> dict[str, Rollout]:
+        """Snapshots of the given rollouts that exist, by id."""
+        found = (self._rollouts.get(rid) for rid in rollout_ids)
+        return {rs.rollout.rollout_id: self._snapshot(rs) for rs in found if rs is not None}
+
+    def rollout_status(self, rollout_id: str) -> RolloutStatus | None:
+        rs = self._rollouts.get(rollout_id)
+        return rs.rollout.status if rs is not None else None
+
+    async def merge_rollout_metadata(self, rollout_ids: Sequence[str], values: dict[str, Any]) -> None:
+        """Set metadata keys on many rollouts (finished ones included) in one commit."""
+        self._check_writable()
+        check_json(values, "metadata")
+        states = [self._rollout(rid, f"rollout_ids[{i}]") for i, rid in enumerate(rollout_ids)]
+        tx = Txn()
+        for rs in states:
+            rs.rollout.metadata = {**rs.rollout.metadata, **values}
+            tx.rollouts[rs.rollout.rollout_id] = rs
+            self._record_change(rs, tx)
+        await self._apply(tx)
+
+    async def wait_for_commit(self, timeout: float) -> None:
+        """Return after the next commit of rollout changes, or after ``timeout`` seconds."""
+        if self._closing:
+            return
+        if self._changes_committed is None or self._changes_committed.done():
+            self._changes_committed = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._changes_committed), timeout)
+        except TimeoutError:
+            pass
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def meta_items(self, prefix: str) -> dict[str, str]:
+        """The store's key/value metadata whose keys start with ``prefix``."""
+        return {k: v for k, v in self._meta.items() if k.startswith(prefix)}
+
+    async def put_meta(self, items: dict[str, str]) -> None:
+        """Keep key/value metadata durably (committed before this returns)."""
+        self._check_writable()
+        self._meta.update(items)
+        await self._apply(Txn(meta=dict(items)))
 
     # ================================================================== statistics and housekeeping
     async def statistics(self) -> Statistics:

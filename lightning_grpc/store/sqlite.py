@@ -183,7 +183,9 @@ class SqliteBackend:
                 db.conn.execute(
                     "INSERT OR REPLACE INTO meta (key, value) VALUES ('store_id', ?)", (store_id,)
                 )
-        state = LoadedState(store_id=store_id, latest_resources_id=meta.get("latest_resources_id", ""))
+        state = LoadedState(
+            store_id=store_id, latest_resources_id=meta.get("latest_resources_id", ""), meta=meta
+        )
         by_id = {}
         for row in db.query("SELECT * FROM rollouts ORDER BY create_time, rowid"):
             rs = rows.rollout_from_row(row)

@@ -121,3 +121,5 @@ class LoadedState:
     changes: list[Change] = field(default_factory=list)
     revision: int = 0
     total_spans: int = 0
+    #: The store's key/value metadata (store id, revision, and what other cores keep there).
+    meta: dict[str, str] = field(default_factory=dict)

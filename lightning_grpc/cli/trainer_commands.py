@@ -1,0 +1,163 @@
+"""Commands that look at the Trainer of a running server.
+
+lightning-grpc triplets ROLLOUT_ID [--aggregation trajectory] [--tokenizer PATH]
+lightning-grpc trainer status
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+from lightning_grpc.cli.inspect import _common_options, format_fields, format_table, jsonable
+from lightning_grpc.client import ClientConfig, RolloutTripletReport, TrainerClient
+from lightning_grpc.trainer import TrainerStatus
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    common = _common_options()
+    p = sub.add_parser(
+        "triplets", parents=[common], help="what training makes of a rollout: triplets, rows, drops"
+    )
+    p.add_argument("rollout_id", metavar="ROLLOUT_ID")
+    p.add_argument("--aggregation", choices=["transition", "trajectory"], default="transition")
+    p.add_argument("--reward-match", choices=["final", "first_occurrence", "first_sibling"], default="final")
+    p.add_argument("--agent-match", default="", help="only calls under agents matching this regex")
+    p.add_argument("--tokenizer", metavar="PATH", help="a local tokenizer to decode the token ids with")
+    p.set_defaults(func=_runs(show_triplets))
+
+    trainer = sub.add_parser("trainer", help="the trainer of a running server")
+    trainer_sub = trainer.add_subparsers(dest="trainer_command", required=True)
+    p = trainer_sub.add_parser("status", parents=[common], help="groups pending/ready/consumed, drops, steps")
+    p.set_defaults(func=_runs(show_status))
+
+
+def _runs(command: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        return asyncio.run(_with_client(command, args))
+
+    return run
+
+
+async def _with_client(command: Any, args: argparse.Namespace) -> int:
+    config = ClientConfig(target=args.store, token=args.token or None, timeout=args.timeout)
+    async with TrainerClient(config) as client:
+        return int(await command(client, args) or 0)
+
+
+async def show_triplets(client: TrainerClient, args: argparse.Namespace) -> None:
+    report = await client.triplets(
+        args.rollout_id,
+        aggregation=args.aggregation,
+        reward_match=args.reward_match,
+        agent_match=args.agent_match,
+    )
+    if args.json:
+        print(json.dumps(jsonable(report), ensure_ascii=False))
+        return
+    print(triplets_text(report, _decoder(args.tokenizer)))
+
+
+def _decoder(path: str | None) -> Any:
+    if not path:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return lambda ids: tokenizer.decode(list(ids))
+
+
+def triplets_text(report: RolloutTripletReport, decode: Any = None) -> str:
+    head = format_fields(
+        [
+            ("rollout", report.rollout_id),
+            ("attempt", report.attempt_id),
+            ("status", str(report.status)),
+            ("reward", report.reward),
+            ("llm calls", report.calls),
+            ("triplets", len(report.triplets)),
+            ("rows", len(report.rows)),
+        ]
+    )
+    triplets = format_table(
+        ["call", "prompt", "response", "logprobs", "reward", "version", "agent", "finish", "span"],
+        [
+            [
+                tr.call_index,
+                len(tr.prompt_ids),
+                len(tr.response_ids),
+                "yes" if tr.logprobs is not None else "no",
+                tr.reward,
+                tr.policy_version,
+                tr.agent_name,
+                tr.finish_reason,
+                tr.span_id,
+            ]
+            for tr in report.triplets
+        ],
+    )
+    parts = [head, "", triplets]
+    if report.rows:
+        rows = format_table(
+            ["turn", "prompt", "response", "trainable", "versions"],
+            [
+                [
+                    r["turn_index"],
+                    r["prompt_tokens"],
+                    r["response_tokens"],
+                    r["trainable_tokens"],
+                    r["policy_versions"],
+                ]
+                for r in report.rows
+            ],
+        )
+        parts += ["", "rows:", rows]
+    if report.drops:
+        drops = format_table(
+            ["not trained", "call", "span", "detail"],
+            [
+                [d.reason, d.call_index if d.call_index >= 0 else None, d.span_id, d.detail]
+                for d in report.drops
+            ],
+        )
+        parts += ["", drops]
+    if decode is not None:
+        for tr in report.triplets:
+            parts += [
+                "",
+                f"call {tr.call_index} prompt:",
+                decode(tr.prompt_ids),
+                f"call {tr.call_index} response:",
+                decode(tr.response_ids),
+            ]
+    return "\n".join(parts)
+
+
+async def show_status(client: TrainerClient, args: argparse.Namespace) -> None:
+    status = await client.status()
+    if args.json:
+        print(json.dumps(jsonable(status), ensure_ascii=False))
+        return
+    print(status_text(status))
+
+
+def status_text(status: TrainerStatus) -> str:
+    last = status.last_event
+    head = format_fields(
+        [
+            ("policy version", status.policy_version),
+            ("batches", status.batches),
+            ("rows", status.rows),
+            ("last step", f"{last.step} (run {last.run_id})" if last else None),
+        ]
+    )
+    groups = format_table(
+        ["mode", "pending", "ready", "carried over", "consumed"],
+        [[str(g.mode) or "-", g.pending, g.ready, g.carried_over, g.consumed] for g in status.groups],
+    )
+    parts = [head, "", groups]
+    if status.drops:
+        parts += ["", format_table(["left out or changed", "count"], sorted(status.drops.items()))]
+    return "\n".join(parts)

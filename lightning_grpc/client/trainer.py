@@ -1,0 +1,342 @@
+"""TrainerClient: submit GRPO groups, pull whole-group training batches as numpy arrays (or torch tensors),
+report steps and watch training."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from lightning_grpc import convert
+from lightning_grpc import types as t
+from lightning_grpc.adapter import Drop, Triplet
+from lightning_grpc.trainer import BatchOptions, BatchRollout, GroupSample, Layout, RowInfo, TrainingEvent
+from lightning_grpc.trainer.core import GroupCounts, TrainerStatus
+from lightning_grpc.trainer.tensors import INDEX_ARRAYS, Ragged, concat, pad
+from lightning_grpc.v1 import trainer_service_pb2 as pb
+from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
+
+from .config import ClientConfig
+from .errors import from_rpc_error
+from .store import _enum, make_channel
+
+
+@dataclass
+class SubmittedGroup:
+    group_id: str
+    rollout_ids: list[str]
+
+
+@dataclass
+class TrainingBatch:
+    """One batch of whole groups, with verl's padded arrays.
+
+    ``arrays`` holds prompts, responses, input_ids, attention_mask, position_ids, response_mask,
+    token_level_scores, rollout_log_probs (when recorded) and the per-row arrays (rollout_index,
+    rows_per_rollout, rollout_rewards, scores, has_rollout_log_probs, prompt/response lengths).
+    ``uid`` is each row's group id (GRPO's grouping), ``rollout_ids`` each row's rollout.
+    """
+
+    batch_id: str
+    group_ids: list[str]
+    rollouts: list[BatchRollout]
+    rows: list[RowInfo]
+    arrays: dict[str, np.ndarray]
+    drops: dict[str, int]
+    carried_over_groups: int
+    closed_by_deadline: bool
+    trajectory_breaks: int
+    #: Bytes of the messages received for this batch.
+    wire_bytes: int = 0
+    #: The compact form the batch travelled in (RAGGED layout), else None.
+    ragged: Ragged | None = None
+    uid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
+    rollout_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def tensors(self, device: Any = None) -> dict[str, Any]:
+        """The arrays as torch tensors; on the CPU they share the arrays' memory (no copy)."""
+        import torch
+
+        out = {}
+        for name, array in self.arrays.items():
+            tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+            out[name] = tensor if device is None else tensor.to(device)
+        return out
+
+
+@dataclass
+class RolloutTripletReport:
+    """What training makes of one rollout: its triplets, rows and everything left out, with reasons."""
+
+    rollout_id: str
+    attempt_id: str
+    status: t.RolloutStatus
+    reward: float | None
+    calls: int
+    triplets: list[Triplet]
+    drops: list[Drop]
+    rows: list[dict[str, Any]]
+
+
+def _ids(values: Any) -> np.ndarray:
+    return np.fromiter(values, dtype=np.int32, count=len(values))
+
+
+def _triplet(m: pb.Triplet) -> Triplet:
+    return Triplet(
+        prompt_ids=_ids(m.prompt_ids),
+        response_ids=_ids(m.response_ids),
+        logprobs=np.fromiter(m.log_probs, dtype=np.float32, count=len(m.log_probs)) if m.log_probs else None,
+        reward=m.reward if m.HasField("reward") else None,
+        span_id=m.span_id,
+        response_id=m.response_id,
+        model=m.model,
+        policy_version=m.policy_version,
+        call_index=m.call_index,
+        agent_name=m.agent_name,
+        finish_reason=m.finish_reason,
+        streamed=m.streamed,
+    )
+
+
+def _row_info(m: pb.BatchRow) -> RowInfo:
+    return RowInfo(
+        rollout_index=m.rollout_index,
+        turn_index=m.turn_index,
+        policy_versions=list(m.policy_versions),
+        truncated=m.truncated,
+        filled=m.filled,
+        has_log_probs=m.has_log_probs,
+        call_span_ids=list(m.call_span_ids),
+    )
+
+
+class TrainerClient:
+    """Async client of the TrainerService (same channel options, TLS and token as :class:`StoreClient`)."""
+
+    def __init__(self, target: str | ClientConfig = "127.0.0.1:4747", **options: Any) -> None:
+        self.config = target if isinstance(target, ClientConfig) else ClientConfig(target=target, **options)
+        self._channel = make_channel(self.config)
+        self._stub = pb_grpc.TrainerServiceStub(self._channel)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> TrainerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def stub(self) -> pb_grpc.TrainerServiceStub:
+        return self._stub
+
+    async def _call(self, method: str, request: Any) -> Any:
+        try:
+            return await getattr(self._stub, method)(
+                request, timeout=self.config.timeout, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    # ------------------------------------------------------------ groups
+    async def submit_groups(
+        self,
+        samples: Sequence[Any],
+        group_size: int,
+        *,
+        mode: t.RolloutMode | str = "train",
+        resources_id: str = "",
+        config: t.RolloutConfig | None = None,
+        step: int = 0,
+    ) -> list[SubmittedGroup]:
+        """``group_size`` rollouts per sample (a task input, or a :class:`GroupSample`).
+
+        Group ids are chosen here when a sample has none, so a retried call creates nothing twice.
+        """
+        request = pb.SubmitGroupsRequest(
+            group_size=group_size,
+            mode=int(_enum(t.RolloutMode, mode)),  # type: ignore[arg-type]
+            resources_id=resources_id,
+            step=step,
+        )
+        for sample in samples:
+            s = sample if isinstance(sample, GroupSample) else GroupSample(input=sample)
+            m = request.samples.add(group_id=s.group_id or f"g-{uuid.uuid4().hex[:16]}")
+            convert.python_to_value(s.input, m.input, "input")
+            if s.metadata:
+                convert.dict_to_struct(s.metadata, m.metadata)
+        if config is not None:
+            convert.config_to_pb(config, request.config)
+        resp = await self._call("SubmitGroups", request)
+        return [SubmittedGroup(g.group_id, list(g.rollout_ids)) for g in resp.groups]
+
+    # ------------------------------------------------------------ batches
+    async def get_batch(
+        self,
+        min_groups: int = 1,
+        max_groups: int = 0,
+        *,
+        wait: float = 0.0,
+        mode: t.RolloutMode | str = "train",
+        options: BatchOptions | None = None,
+        request_id: str = "",
+        **option_values: Any,
+    ) -> TrainingBatch:
+        """A batch of whole groups: waits up to ``wait`` s for ``min_groups``, takes at most ``max_groups``.
+
+        Options are a :class:`BatchOptions` or its fields as keywords (``pad_token_id=...``,
+        ``failure_policy="drop_group"``, ``aggregation="trajectory"``, ...). A retry with the same
+        ``request_id`` returns the same groups.
+        """
+        if options is None:
+            options = BatchOptions.checked(**option_values)
+        request = pb.GetBatchRequest(
+            request_id=request_id or f"b-{uuid.uuid4().hex[:16]}",
+            mode=int(_enum(t.RolloutMode, mode)),  # type: ignore[arg-type]
+            min_groups=min_groups,
+            max_groups=max_groups,
+        )
+        convert.float_to_duration(wait, request.wait)
+        convert.batch_options_to_pb(options, request.options)
+        messages = []
+        try:
+            call = self._stub.GetBatch(request, timeout=self.config.timeout + wait, metadata=self._metadata)
+            async for message in call:
+                messages.append(message)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return batch_from_messages(messages)
+
+    async def report_step(
+        self, step: int, policy_version: int, metrics: Mapping[str, float] | None = None, *, run_id: str = ""
+    ) -> TrainingEvent:
+        request = pb.ReportStepRequest(run_id=run_id, step=step, policy_version=policy_version)
+        request.metrics.update({k: float(v) for k, v in (metrics or {}).items()})
+        resp = await self._call("ReportStep", request)
+        return convert.training_event_from_pb(resp.event)
+
+    async def watch_training(
+        self, run_id: str = "", *, after_sequence: int = 0, follow: bool = False
+    ) -> AsyncIterator[TrainingEvent]:
+        """Reported steps after ``after_sequence``; with ``follow``, new ones as they are reported."""
+        request = pb.WatchTrainingRequest(run_id=run_id, after_sequence=after_sequence, follow=follow)
+        try:
+            call = self._stub.WatchTraining(
+                request, timeout=None if follow else self.config.timeout, metadata=self._metadata
+            )
+            async for message in call:
+                yield convert.training_event_from_pb(message.event)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def status(self) -> TrainerStatus:
+        resp = await self._call("GetTrainerStatus", pb.GetTrainerStatusRequest())
+        return TrainerStatus(
+            groups=[
+                GroupCounts(t.RolloutMode(g.mode), g.pending, g.ready, g.carried_over, g.consumed)
+                for g in resp.groups
+            ],
+            drops={d.reason: d.count for d in resp.drops},
+            batches=resp.batches,
+            rows=resp.rows,
+            policy_version=resp.policy_version,
+            last_event=convert.training_event_from_pb(resp.last_event)
+            if resp.HasField("last_event")
+            else None,
+        )
+
+    async def triplets(
+        self, rollout_id: str, options: BatchOptions | None = None, **option_values: Any
+    ) -> RolloutTripletReport:
+        """The triplets of a rollout's latest attempt, its rows, and the reasons for anything not trained."""
+        request = pb.GetTripletsRequest(rollout_id=rollout_id)
+        convert.batch_options_to_pb(options or BatchOptions.checked(**option_values), request.options)
+        resp = await self._call("GetTriplets", request)
+        rows = [
+            {
+                "turn_index": r.turn_index,
+                "prompt_tokens": p,
+                "response_tokens": n,
+                "trainable_tokens": k,
+                "policy_versions": list(r.policy_versions),
+                "has_log_probs": r.has_log_probs,
+                "call_span_ids": list(r.call_span_ids),
+            }
+            for r, p, n, k in zip(
+                resp.rows,
+                resp.row_prompt_lengths,
+                resp.row_response_lengths,
+                resp.row_trainable_tokens,
+                strict=True,
+            )
+        ]
+        return RolloutTripletReport(
+            rollout_id=resp.rollout_id,
+            attempt_id=resp.attempt_id,
+            status=t.RolloutStatus(resp.status),
+            reward=resp.reward if resp.HasField("reward") else None,
+            calls=resp.calls,
+            triplets=[_triplet(m) for m in resp.triplets],
+            drops=[Drop(d.reason, d.span_id, d.call_index, d.detail) for d in resp.drops],
+            rows=rows,
+        )
+
+
+def batch_from_messages(messages: Sequence[pb.GetBatchResponse]) -> TrainingBatch:
+    """A batch from its stream of messages (the header comes first; chunks hold consecutive rows)."""
+    if not messages or not messages[0].HasField("header"):
+        raise ValueError("a batch stream starts with its header")
+    header = messages[0].header
+    if len(messages) != header.chunk_count:
+        raise ValueError(f"the batch stream ended after {len(messages)} of {header.chunk_count} chunks")
+    rows = [_row_info(r) for m in messages for r in m.rows]
+    chunks = [
+        {name: convert.tensor_from_pb(tensor, f"tensors[{name!r}]") for name, tensor in m.tensors.items()}
+        for m in messages
+    ]
+    ragged = None
+    if header.layout == Layout.PADDED:
+        arrays = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+        for name in INDEX_ARRAYS:
+            arrays[name] = arrays[name].astype(np.int64)
+    else:
+        ragged = concat([Ragged.from_arrays(c) for c in chunks])
+        arrays = pad(ragged, pad_token_id=header.pad_token_id)
+    rollouts = [
+        BatchRollout(
+            r.rollout_id, r.attempt_id, r.group_id, t.RolloutStatus(r.status), r.reward, r.filled, r.row_count
+        )
+        for r in header.rollouts
+    ]
+    index = arrays["rollout_index"].astype(np.int64)
+    return TrainingBatch(
+        batch_id=header.batch_id,
+        group_ids=list(header.group_ids),
+        rollouts=rollouts,
+        rows=rows,
+        arrays=arrays,
+        drops={d.reason: d.count for d in header.drops},
+        carried_over_groups=header.carried_over_groups,
+        closed_by_deadline=header.closed_by_deadline,
+        trajectory_breaks=header.trajectory_breaks,
+        wire_bytes=sum(m.ByteSize() for m in messages),
+        ragged=ragged,
+        uid=np.array([r.group_id for r in rollouts], dtype=object)[index]
+        if rollouts
+        else np.zeros(0, object),
+        rollout_ids=np.array([r.rollout_id for r in rollouts], dtype=object)[index]
+        if rollouts
+        else np.zeros(0, object),
+    )

@@ -1,0 +1,27 @@
+"""The Trainer: whole-group training batches from finished rollouts (core, no gRPC), and the loops that learn from them."""
+
+from .batches import BatchRollout, BuiltBatch, RowInfo
+from .core import GroupSample, TrainerCore, TrainerStatus, TrainingEvent
+from .groups import Group
+from .options import Aggregation, BatchOptions, FailurePolicy, Layout, PromptOverflow, RewardMatch
+from .tensors import Ragged, concat, pad
+
+__all__ = [
+    "Aggregation",
+    "BatchOptions",
+    "BatchRollout",
+    "BuiltBatch",
+    "FailurePolicy",
+    "Group",
+    "GroupSample",
+    "Layout",
+    "PromptOverflow",
+    "Ragged",
+    "RewardMatch",
+    "RowInfo",
+    "TrainerCore",
+    "TrainerStatus",
+    "TrainingEvent",
+    "concat",
+    "pad",
+]

@@ -1,0 +1,232 @@
+"""One batch from whole groups: each rollout's spans through the adapter, the failure policy, staleness,
+length limits, then packed rows. Everything left out or changed is counted by reason."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_grpc.adapter import Aggregated, RolloutTriplets, Row, rows_from_triplets, triplets_from_spans
+from lightning_grpc.types import AttemptStatus, Rollout, RolloutStatus, Span
+
+from .groups import Group
+from .options import BatchOptions, FailurePolicy, PromptOverflow
+from .tensors import PackRow, Ragged, pack
+
+#: Reads the spans of one attempt: (rollout id, attempt id) -> spans in sequence order.
+SpanReader = Callable[[str, str], Awaitable[list[Span]]]
+
+# Reasons counted by the batch (the adapter's own reasons are counted alongside).
+ROLLOUT_FAILED = "rollout_failed"
+ROLLOUT_TIMED_OUT = "rollout_timed_out"
+ROLLOUT_UNRESPONSIVE = "rollout_unresponsive"
+ROLLOUT_CANCELLED = "rollout_cancelled"
+NO_REWARD = "no_reward"
+GROUP_DROPPED = "group_dropped_for_failed_sibling"
+ROLLOUT_DROPPED = "rollout_dropped"
+ROLLOUT_FILLED = "rollout_filled"
+ROLLOUT_WITHOUT_ROWS = "rollout_without_rows"
+STALE_POLICY = "stale_policy"
+PROMPT_TOO_LONG = "prompt_too_long"
+TRUNCATED_PROMPT = "truncated_prompt"
+TRUNCATED_RESPONSE = "truncated_response"
+ZERO_TRAINABLE_TOKENS = "zero_trainable_tokens"
+
+
+@dataclass
+class BatchRollout:
+    rollout_id: str
+    attempt_id: str
+    group_id: str
+    status: RolloutStatus
+    reward: float
+    filled: bool
+    row_count: int = 0
+
+
+@dataclass
+class RowInfo:
+    rollout_index: int
+    turn_index: int
+    policy_versions: list[int]
+    truncated: bool
+    filled: bool
+    has_log_probs: bool
+    call_span_ids: list[str]
+
+
+@dataclass
+class BuiltBatch:
+    batch_id: str
+    group_ids: list[str]
+    rollouts: list[BatchRollout]
+    rows: list[RowInfo]
+    ragged: Ragged
+    drops: Counter[str] = field(default_factory=Counter)
+    trajectory_breaks: int = 0
+
+
+def failure_of(rollout: Rollout, reward: float | None) -> str:
+    """Why a rollout cannot be trained as it is ("" when it can)."""
+    if rollout.status == RolloutStatus.CANCELLED:
+        return ROLLOUT_CANCELLED
+    if rollout.status != RolloutStatus.SUCCEEDED:
+        attempt = rollout.latest_attempt.status if rollout.latest_attempt else None
+        if attempt == AttemptStatus.TIMEOUT:
+            return ROLLOUT_TIMED_OUT
+        if attempt == AttemptStatus.UNRESPONSIVE:
+            return ROLLOUT_UNRESPONSIVE
+        return ROLLOUT_FAILED
+    return NO_REWARD if reward is None else ""
+
+
+@dataclass
+class _Evaluated:
+    rollout: Rollout
+    triplets: RolloutTriplets
+    failure: str
+
+
+async def evaluate(rollout: Rollout, read_spans: SpanReader, options: BatchOptions) -> _Evaluated:
+    """A rollout's triplets (from its latest attempt only) and why it cannot be trained, if it cannot."""
+    attempt = rollout.latest_attempt
+    spans = await read_spans(rollout.rollout_id, attempt.attempt_id) if attempt else []
+    triplets = triplets_from_spans(spans, options.adapter_config())
+    return _Evaluated(rollout, triplets, failure_of(rollout, triplets.reward))
+
+
+def fresh_rows(ev: _Evaluated, options: BatchOptions, drops: Counter[str]) -> Aggregated:
+    """The rollout's rows from the calls recent enough (``min_policy_version``)."""
+    triplets = ev.triplets.triplets
+    if options.min_policy_version is not None:
+        fresh = [t for t in triplets if t.policy_version >= options.min_policy_version]
+        drops[STALE_POLICY] += len(triplets) - len(fresh)
+        triplets = fresh
+    return rows_from_triplets(triplets, options.aggregation.name.lower())
+
+
+def fit_to_limits(row: Row, options: BatchOptions, drops: Counter[str]) -> tuple[Row | None, bool]:
+    """The row within the length limits: (row or None when it is left out, truncated)."""
+    truncated = False
+    limit = options.max_prompt_length
+    if limit and len(row.prompt_ids) > limit:
+        if options.prompt_overflow == PromptOverflow.DROP:
+            drops[PROMPT_TOO_LONG] += 1
+            return None, False
+        row = dataclasses.replace(row, prompt_ids=row.prompt_ids[-limit:])
+        drops[TRUNCATED_PROMPT] += 1
+        truncated = True
+    limit = options.max_response_length
+    if limit and len(row.response_ids) > limit:
+        row = dataclasses.replace(
+            row,
+            response_ids=row.response_ids[:limit],
+            response_mask=row.response_mask[:limit],
+            logprobs=None if row.logprobs is None else row.logprobs[:limit],
+        )
+        drops[TRUNCATED_RESPONSE] += 1
+        truncated = True
+    if not row.response_mask.any():
+        drops[ZERO_TRAINABLE_TOKENS] += 1
+        return None, truncated
+    return row, truncated
+
+
+def _count_adapter_drops(ev: _Evaluated, drops: Counter[str]) -> None:
+    for drop in ev.triplets.drops:
+        reason = drop.reason
+        drops[str(getattr(reason, "value", reason))] += 1
+
+
+async def build_batch(
+    batch_id: str,
+    groups: Sequence[Group],
+    rollouts: dict[str, Rollout],
+    read_spans: SpanReader,
+    options: BatchOptions,
+) -> BuiltBatch:
+    """The batch of these (ended) groups."""
+    drops: Counter[str] = Counter()
+    out = BuiltBatch(batch_id, [], [], [], pack([]), drops)
+    pack_rows: list[PackRow] = []
+    for group in groups:
+        members = [rollouts[rid] for rid in group.rollout_ids if rid in rollouts]
+        evaluated = [await evaluate(r, read_spans, options) for r in members]
+        failures = [ev.failure for ev in evaluated if ev.failure]
+        for reason in failures:
+            drops[reason] += 1
+        if failures and options.failure_policy == FailurePolicy.DROP_GROUP:
+            drops[GROUP_DROPPED] += 1
+            continue
+        out.group_ids.append(group.group_id)
+        for ev in evaluated:
+            if ev.failure and options.failure_policy == FailurePolicy.DROP_ROLLOUT:
+                drops[ROLLOUT_DROPPED] += 1
+                continue
+            _add_rollout(out, pack_rows, ev, group, options)
+    out.ragged = pack(pack_rows, include_log_probs=not options.exclude_log_probs)
+    return out
+
+
+def _add_rollout(
+    out: BuiltBatch, pack_rows: list[PackRow], ev: _Evaluated, group: Group, options: BatchOptions
+) -> None:
+    _count_adapter_drops(ev, out.drops)
+    filled = bool(ev.failure)
+    if filled:
+        out.drops[ROLLOUT_FILLED] += 1
+    reward = options.fill_reward if filled else float(ev.triplets.reward)  # type: ignore[arg-type]
+    aggregated = fresh_rows(ev, options, out.drops)
+    out.trajectory_breaks += len(aggregated.breaks)
+    kept: list[tuple[Row, bool]] = []
+    for row in aggregated.rows:
+        fitted, truncated = fit_to_limits(row, options, out.drops)
+        if fitted is not None:
+            kept.append((fitted, truncated))
+    if not kept:
+        out.drops[ROLLOUT_WITHOUT_ROWS] += 1
+        return
+    index = len(out.rollouts)
+    attempt = ev.rollout.latest_attempt
+    out.rollouts.append(
+        BatchRollout(
+            ev.rollout.rollout_id,
+            attempt.attempt_id if attempt else "",
+            group.group_id,
+            ev.rollout.status,
+            reward,
+            filled,
+            len(kept),
+        )
+    )
+    for position, (row, truncated) in enumerate(kept):
+        score = row.reward
+        if filled:  # the stated value, at the rollout's last row, as a final reward would be
+            score = options.fill_reward if position == len(kept) - 1 else 0.0
+        has_lp = row.logprobs is not None and not options.exclude_log_probs
+        out.rows.append(
+            RowInfo(
+                index,
+                row.turn_index,
+                list(row.policy_versions),
+                truncated,
+                filled,
+                has_lp,
+                list(row.call_span_ids),
+            )
+        )
+        pack_rows.append(
+            PackRow(
+                np.asarray(row.prompt_ids),
+                np.asarray(row.response_ids),
+                np.asarray(row.response_mask),
+                None if row.logprobs is None else np.asarray(row.logprobs),
+                score,
+                reward,
+                index,
+            )
+        )
