@@ -51,3 +51,19 @@ breaking: $(STAMP)
 # Benchmarks (never part of `make test`): `make bench` (~15 min) or `make bench QUICK=1` (~3 min).
 bench: $(STAMP)
 	$(PY) bench/run.py $(if $(QUICK),--quick,)
+
+# verl 0.9.1 on CPU in its own environment, for the parity test of lightning_grpc/trainer/ppo.py against
+# verl's core_algos (never part of `make test`; the first `make verl-env` downloads ~1 GB from PyPI).
+VERL_VENV := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+
+.PHONY: verl-env verl-parity
+
+verl-env: $(VERL_STAMP)
+
+$(VERL_STAMP): scripts/verl_env.sh pyproject.toml
+	bash scripts/verl_env.sh $(VERL_VENV)
+	touch $(VERL_STAMP)
+
+verl-parity: $(VERL_STAMP)
+	$(VERL_VENV)/bin/pytest -q --noconftest tests/test_verl_parity.py
