@@ -36,8 +36,9 @@ pytest: $(STAMP)
 
 test: lint breaking proto-check typecheck pytest
 
+# The main job: GRPO trains a tiny model to open a combination lock, through the whole system on CPU.
 demo: $(STAMP)
-	$(PY) -m lightning_grpc.examples.prompt_search_demo
+	$(BIN)/lightning-grpc train examples/combination_lock/config.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -8,6 +8,10 @@ Peers, each server in its own process on 127.0.0.1: Agent Lightning 0.3.0's stor
 server and client, installed by bench/agl_setup.py into bench/.venv-agl), a no-op grpc.aio server
 (the Python gRPC ceiling), and lightning-grpc with the memory and the SQLite backend. Ratios are
 always lightning-grpc's figure divided by the peer's figure from the same run.
+
+The training-batch workload (bench/trainer_batch.py) runs against a fresh `serve` of each backend:
+`TrainerClient.get_batch` against a per-row loop over the public span query, and the batch's bytes on
+the wire against the int32 token payload.
 """
 
 from __future__ import annotations
@@ -55,6 +59,12 @@ class Sizes:
     runs: int = 2
     max_seconds: float = 60.0
     agl: bool = True
+    #: Training batch: groups x group size rollouts of ~batch_tokens prompt + ~batch_tokens response ids.
+    batch_groups: int = 32
+    batch_group_size: int = 8
+    batch_tokens: int = 512
+    #: Timed repetitions of each side (at most; at least 3, then until max_seconds).
+    batch_repeats: int = 7
 
 
 PROFILES = {
@@ -70,6 +80,7 @@ PROFILES = {
         fill_spans=100_000,
         runs=1,
         max_seconds=20.0,
+        batch_repeats=5,
     ),
     "smoke": Sizes(
         spans=256,
@@ -82,6 +93,10 @@ PROFILES = {
         runs=1,
         max_seconds=10.0,
         agl=False,
+        batch_groups=4,
+        batch_group_size=2,
+        batch_tokens=32,
+        batch_repeats=3,
     ),
 }
 
@@ -252,6 +267,20 @@ def run_grpc_store(srv: Server, sizes: Sizes, setup: bool) -> dict[str, Any]:
     return out
 
 
+def run_trainer_batch(srv: Server, sizes: Sizes) -> dict[str, Any]:
+    args = ["--groups", str(sizes.batch_groups), "--group-size", str(sizes.batch_group_size)]
+    args += ["--tokens", str(sizes.batch_tokens), "--repeats", str(sizes.batch_repeats)]
+    result = drive(
+        PY,
+        "trainer_batch.py",
+        ["--target", srv.address, "--max-seconds", str(sizes.max_seconds)],
+        args,
+        sizes.max_seconds * 6 + 120,
+    )
+    result["peak_rss_mib"] = round(srv.rss.peak / 2**20, 1)
+    return result
+
+
 def run_agl(srv: Server, sizes: Sizes) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for w in sizes.writers:
@@ -283,6 +312,9 @@ def one_run(sizes: Sizes, workdir: Path, index: int, log: Any) -> dict[str, Any]
         with ours(name, db) as srv:
             results = run_grpc_store(srv, sizes, setup=True)
             run[name] = {"results": results, "peak_rss_mib": round(srv.rss.peak / 2**20, 1)}
+        log(f"run {index}: {name}, training batch (fresh server)")
+        with ours(name, db and db.with_suffix(".trainer.db")) as srv:
+            run[name]["results"]["trainer_batch"] = run_trainer_batch(srv, sizes)
     if sizes.agl and AGL_PY.exists():
         log(f"run {index}: agentlightning")
         with agl() as srv:
@@ -403,6 +435,7 @@ def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
         filter(None, [w8("lightning_grpc_sqlite", s) for s in ("unary64", "stream64")]), default=None
     )
     agl_best = w8("agentlightning", "otlp64")
+    ours_systems = ("lightning_grpc_memory", "lightning_grpc_sqlite")
     vs_ceiling = [ratio(w8("lightning_grpc_memory", s), w8("ceiling", s)) for s in ("unary64", "stream64")]
     return {
         "span_ingest_w8_vs_agl_memory": ratio(best_ours_mem, agl_best),
@@ -414,7 +447,16 @@ def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
             figure(run, "lightning_grpc_memory", "rollout_cycle/k32", "rollouts_per_s"),
             figure(run, "agentlightning", "rollout_cycle/k32", "rollouts_per_s"),
         ),
+        # the worse backend: the lower speedup, the higher wire ratio
+        "trainer_batch_speedup": worst([figure(run, s, "trainer_batch", "speedup") for s in ours_systems]),
+        "trainer_batch_wire_ratio": worst(
+            [figure(run, s, "trainer_batch", "wire_ratio") for s in ours_systems], higher_is_better=False
+        ),
     }
+
+
+#: Ratios where lower is better (the worst over runs is the highest).
+LOWER_IS_BETTER = ("trainer_batch_wire_ratio",)
 
 
 def worst(values: list[float | None], higher_is_better: bool = True) -> float | None:
@@ -523,8 +565,59 @@ def markdown(report: dict[str, Any]) -> str:
         f"ingest {_fmt(fill.get('spans_per_s'))} spans/s.",
         "",
     ]
+    lines += trainer_batch_markdown(runs)
     lines += proxy_markdown(report.get("proxy_overhead"))
     return "\n".join(lines) + "\n"
+
+
+def trainer_batch_markdown(runs: list[dict[str, Any]]) -> list[str]:
+    """Both figures of the training-batch workload, every run and backend, both vocabularies."""
+    cells: list[tuple[int, str, dict[str, Any]]] = []
+    for i, run in enumerate(runs, 1):
+        for system in ("lightning_grpc_memory", "lightning_grpc_sqlite"):
+            res = run.get(system, {}).get("results", {}).get("trainer_batch")
+            if res is not None:
+                cells.append((i, system, res))
+    if not cells:
+        return []
+    ok = [c for c in cells if "error" not in c[2]]
+    lines = []
+    if ok:
+        res = ok[0][2]
+        head = res["regimes"]["tiny_2048"]
+        rows = head["rows"]
+        lines += [
+            f"Training batch: {res['groups']} groups × {res['group_size']} rollouts = {rows} rows of "
+            f"~{res['tokens']} prompt + ~{res['tokens']} response ids (±10 %), one LLM-call span and one reward "
+            f"span each, padded to {head['padded_shape'][0]} × {head['padded_shape'][1]}. *ours*: "
+            "`TrainerClient.get_batch(min_groups, request_id=R)` to verl's padded numpy arrays in the client, "
+            "repeated with the same `R` (a retry rebuilds the same batch from the stored spans, so repetitions "
+            'are comparable); *peer*: `StoreClient.query_spans(rollout_id, "latest")` for each rollout, then a '
+            "per-row, per-element Python loop building the same arrays (checked identical to ours). Vocabularies: "
+            "`tiny` = the embedded engine's tiny model, 2,048 ids (uint16 on the wire; the headline); `qwen` = "
+            "151,646 ids, as Qwen2.5 (int32 on the wire). Wire = bytes of the received messages; payload = 4 "
+            "bytes × prompt and response tokens.",
+            "",
+        ]
+    lines += [
+        "| run | backend | vocab | ours median/best ms | peer median/best ms (query + loop) | speedup median (best) "
+        "| wire bytes | int32 payload | wire ÷ payload | without log-probs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, system, res in cells:
+        if "error" in res:
+            lines.append(f"| {i} | {system} | error: {str(res['error']).splitlines()[-1][:120]} |")
+            continue
+        for vocab, reg in res["regimes"].items():
+            o, p, w, n = reg["ours"], reg["peer"], reg["with_log_probs"], reg["without_log_probs"]
+            lines.append(
+                f"| {i} | {system.removeprefix('lightning_grpc_')} | {vocab.split('_')[0]} "
+                f"| {o['median_ms']}/{o['best_ms']} "
+                f"| {p['median_ms']}/{p['best_ms']} ({p['query_median_ms']} + {p['build_median_ms']}) "
+                f"| {_fmt(reg['speedup_median'], 2)} ({_fmt(reg['speedup_best'], 2)}) | {_fmt(w['wire_bytes'])} "
+                f"| {_fmt(w['int32_token_payload_bytes'])} | {_fmt(w['wire_ratio'], 3)} | {_fmt(n['wire_ratio'], 3)} |"
+            )
+    return [*lines, ""]
 
 
 def headline(key: str, res: dict[str, Any]) -> tuple[str, str]:
@@ -541,6 +634,11 @@ def headline(key: str, res: dict[str, Any]) -> tuple[str, str]:
         )
     if key.startswith("completion_latency"):
         return "p50/p99 ms", f"{res.get('p50_ms')}/{res.get('p99_ms')}"
+    if key == "trainer_batch":
+        return "get_batch / per-row loop, median ms (speedup); wire ÷ int32 payload", (
+            f"{res.get('ours_median_ms')}/{res.get('peer_median_ms')} ({_fmt(res.get('speedup'), 1)}×); "
+            f"{_fmt(res.get('wire_ratio'), 3)}"
+        )
     if key == "queries":
         s, r = res.get("spans_of_rollout", {}), res.get("list_rollouts_first_page", {})
         return "spans of a rollout; first page of rollouts (p50/p99 ms)", (
@@ -586,6 +684,18 @@ def goals(ratios: dict[str, float | None], latency: float | None, rss: float | N
             "≤ 500",
             (rss if rss is not None else 1e9) <= 500,
         ),
+        goal(
+            "trainer_batch_speedup: get_batch ÷ per-row span-query loop (median, worse backend)",
+            r["trainer_batch_speedup"],
+            "≥ 20",
+            (r["trainer_batch_speedup"] or 0) >= 20,
+        ),
+        goal(
+            "trainer_batch_wire_ratio: wire bytes ÷ int32 token payload (2,048-id vocabulary, log-probs)",
+            r["trainer_batch_wire_ratio"],
+            "≤ 1.2",
+            (r["trainer_batch_wire_ratio"] if r["trainer_batch_wire_ratio"] is not None else 1e9) <= 1.2,
+        ),
     ]
 
 
@@ -615,7 +725,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     per_run = [run_ratios(run) for run in runs]
-    ratios = {key: worst([r[key] for r in per_run]) for key in per_run[0]}
+    ratios = {
+        key: worst([r[key] for r in per_run], higher_is_better=key not in LOWER_IS_BETTER)
+        for key in per_run[0]
+    }
     latency = worst(
         [
             figure(run, system, f"completion_latency/{via}", "p99_ms")

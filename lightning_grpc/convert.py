@@ -343,18 +343,21 @@ def resources_update_from_pb(m: resource_pb2.ResourcesUpdate) -> t.ResourcesUpda
 # ------------------------------------------------------------------ span attributes
 
 
-def any_to_python(v: common_pb2.AnyValue) -> Any:
+def any_to_python(v: common_pb2.AnyValue, numpy_arrays: bool = False) -> Any:
+    """An attribute value as Python; int and double arrays as lists, or as numpy arrays when asked."""
     kind = v.WhichOneof("value")
     if kind is None:
         return None
     if kind == "array_value":
-        return [any_to_python(x) for x in v.array_value.values]
+        return [any_to_python(x, numpy_arrays) for x in v.array_value.values]
     if kind == "kvlist_value":
-        return {kv.key: any_to_python(kv.value) for kv in v.kvlist_value.values}
+        return {kv.key: any_to_python(kv.value, numpy_arrays) for kv in v.kvlist_value.values}
     if kind == "int_array_value":
-        return list(v.int_array_value.values)
+        values = v.int_array_value.values
+        return np.array(values, dtype=np.int64) if numpy_arrays else list(values)
     if kind == "double_array_value":
-        return list(v.double_array_value.values)
+        doubles = v.double_array_value.values
+        return np.array(doubles, dtype=np.float64) if numpy_arrays else list(doubles)
     return getattr(v, kind)
 
 
@@ -397,8 +400,8 @@ def attributes_to_pb(attrs: Mapping[str, Any], out: Any) -> None:
         python_to_any(v, out[k])
 
 
-def attributes_from_pb(m: Any) -> dict[str, Any]:
-    return {k: any_to_python(v) for k, v in m.items()}
+def attributes_from_pb(m: Any, numpy_arrays: bool = False) -> dict[str, Any]:
+    return {k: any_to_python(v, numpy_arrays) for k, v in m.items()}
 
 
 def span_to_pb(s: t.Span, out: span_pb2.Span | None = None) -> span_pb2.Span:
@@ -427,7 +430,8 @@ def span_to_pb(s: t.Span, out: span_pb2.Span | None = None) -> span_pb2.Span:
     return m
 
 
-def span_from_pb(m: span_pb2.Span) -> t.Span:
+def span_from_pb(m: span_pb2.Span, numpy_arrays: bool = False) -> t.Span:
+    """A domain span; ``numpy_arrays`` keeps int and double array attributes (token ids) as numpy arrays."""
     return t.Span(
         trace_id=m.trace_id,
         span_id=m.span_id,
@@ -441,7 +445,7 @@ def span_from_pb(m: span_pb2.Span) -> t.Span:
         end_time_unix_nano=m.end_time_unix_nano,
         status_code=m.status.code,
         status_message=m.status.message,
-        attributes=attributes_from_pb(m.attributes),
+        attributes=attributes_from_pb(m.attributes, numpy_arrays),
         events=[t.SpanEvent(e.name, e.time_unix_nano, attributes_from_pb(e.attributes)) for e in m.events],
         links=[t.SpanLink(k.trace_id, k.span_id, attributes_from_pb(k.attributes)) for k in m.links],
         resource=attributes_from_pb(m.resource),

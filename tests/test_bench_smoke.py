@@ -31,12 +31,18 @@ def test_the_benchmark_harness_runs_every_grpc_peer_and_writes_its_reports(tmp_p
         assert results["rollout_cycle/k8"]["completed"] == 40
         assert results["queries"]["spans_of_rollout"]["spans"] == 200
         assert results["completion_latency/wait"]["samples"] == 3
+        batch = results["trainer_batch"]  # get_batch and the per-row span-query loop, on a fresh server
+        assert "error" not in batch, batch
+        assert all(r["rows"] == 8 and r["identical_arrays"] for r in batch["regimes"].values())
+        assert batch["speedup"] > 0 and batch["wire_ratio"] > 0
     assert report["rss_after_fill"]["spans"] == 2000 and report["rss_after_fill"]["rss_after_mib"] > 0
     assert set(report["ratios"]) >= {
         "span_ingest_w8_vs_agl_memory",
         "span_ingest_w8_vs_ceiling_memory",
         "span_ingest_w8_vs_agl_sqlite",
         "rollout_cycle_k32_vs_agl_memory",
+        "trainer_batch_speedup",
+        "trainer_batch_wire_ratio",
     }
     assert "completion_latency_p99_ms" in report and "rss_1m_spans_sqlite_mib" in report
     proxy = report["proxy_overhead"]  # through `serve --proxy-backend` to the embedded engine, and direct

@@ -1,4 +1,4 @@
-"""``make demo``: the prompt search runs end to end and picks the candidate the scoring favours.
+"""The prompt-search example (`python -m lightning_grpc.examples.prompt_search_demo`): it runs end to end and picks the candidate the scoring favours.
 
 Also the demo's pieces on an in-process store: the agent's trace (the score operation and the
 reward), and a search where some rollouts fail (reported apart, never averaged in as 0).

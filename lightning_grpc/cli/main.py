@@ -51,6 +51,8 @@ def configure_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
+    for chatty in ("httpx", "httpcore"):  # one INFO line per HTTP request an agent makes
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -170,11 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_runner_parser(sub)
-    from lightning_grpc.cli import engine_commands, trainer_commands
+    from lightning_grpc.cli import engine_commands, train_commands, trainer_commands
     from lightning_grpc.cli import inspect as inspect_commands
 
     inspect_commands.add_parsers(sub)
     trainer_commands.add_parsers(sub)
+    train_commands.add_parsers(sub)
     engine_commands.add_parsers(sub)
     proxy_commands.add_parsers(sub)
     return parser

@@ -50,12 +50,16 @@ class TrainingBatch:
     carried_over_groups: int
     closed_by_deadline: bool
     trajectory_breaks: int
-    #: Bytes of the messages received for this batch.
-    wire_bytes: int = 0
     #: The compact form the batch travelled in (RAGGED layout), else None.
     ragged: Ragged | None = None
     uid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
     rollout_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
+    messages: Sequence[pb.GetBatchResponse] = ()
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of the messages received for this batch."""
+        return sum(m.ByteSize() for m in self.messages)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -331,7 +335,7 @@ def batch_from_messages(messages: Sequence[pb.GetBatchResponse]) -> TrainingBatc
         carried_over_groups=header.carried_over_groups,
         closed_by_deadline=header.closed_by_deadline,
         trajectory_breaks=header.trajectory_breaks,
-        wire_bytes=sum(m.ByteSize() for m in messages),
+        messages=messages,
         ragged=ragged,
         uid=np.array([r.group_id for r in rollouts], dtype=object)[index]
         if rollouts

@@ -2,6 +2,7 @@
 
 from .agent import FunctionAgent, Hook, LitAgent, rollout, routed_resources
 from .fleet import RayFleet, RunnerSpec, load_agent, run_processes
+from .llm import openai_client
 from .runner import RolloutOutcome, Runner, default_worker_id, run_forever
 from .stats import system_snapshot
 
@@ -15,6 +16,7 @@ __all__ = [
     "RunnerSpec",
     "default_worker_id",
     "load_agent",
+    "openai_client",
     "rollout",
     "routed_resources",
     "run_forever",

@@ -94,6 +94,7 @@ class RunningServer:
         if left:
             log.warning("event=server_drain_timeout address=%s calls_cancelled=%d", self.address, left)
         await self.server.stop(0.2)
+        await self.trainer.close()
         await self.store.close()
         log.info("event=server_stopped address=%s", self.address)
 

@@ -35,7 +35,7 @@ def span_reader(store: Store) -> SpanReader:
         while True:
             page = await store.list_spans(selection, page_size=10_000, page_token=token)
             for record in page.items:
-                span = convert.span_from_pb(parse(record.body))
+                span = convert.span_from_pb(parse(record.body), numpy_arrays=True)
                 span.rollout_id, span.attempt_id = record.rollout_id, record.attempt_id
                 span.sequence_id = record.sequence_id
                 spans.append(span)

@@ -1282,7 +1282,7 @@ class Store:
         """Spans of a rollout ordered by attempt then sequence id; keyset page tokens."""
         query = self._span_query(sel)
         size = paging.page_size(page_size, default=1000, maximum=10_000)
-        filters = paging.filter_hash(asdict(sel))
+        filters = paging.filter_hash(asdict(sel)) if page_token else ""
         position = paging.read_token(page_token, filters)
         await self._durable()
         if query is None:
@@ -1299,7 +1299,11 @@ class Store:
         found = await self.backend.query_spans(query)
         more = len(found) > size
         found = found[:size]
-        token = paging.make_token([found[-1].attempt_no, found[-1].sequence_id], filters) if more else ""
+        token = ""
+        if more:  # the filters' hash is only worth computing when a next page exists
+            token = paging.make_token(
+                [found[-1].attempt_no, found[-1].sequence_id], filters or paging.filter_hash(asdict(sel))
+            )
         return Page(items=found, next_page_token=token)
 
     async def tail_spans(
@@ -1623,10 +1627,23 @@ class Store:
         """Snapshots of the rollouts ``predicate`` accepts (await :meth:`durable` first to read committed state)."""
         return [self._snapshot(rs) for rs in self._rollouts.values() if predicate(rs.rollout)]
 
-    def rollout_snapshots(self, rollout_ids: Iterable[str]) -> dict[str, Rollout]:
-        """Snapshots of the given rollouts that exist, by id."""
+    def rollout_snapshots(self, rollout_ids: Iterable[str], *, copy: bool = True) -> dict[str, Rollout]:
+        """Snapshots of the given rollouts that exist, by id.
+
+        ``copy=False`` hands out the store's own objects, read-only, for finished rollouts whose status
+        and attempts can no longer change (metadata updates replace the mapping, never change it).
+        """
         found = (self._rollouts.get(rid) for rid in rollout_ids)
-        return {rs.rollout.rollout_id: self._snapshot(rs) for rs in found if rs is not None}
+        return {
+            rs.rollout.rollout_id: self._snapshot(rs) if copy else rs.rollout
+            for rs in found
+            if rs is not None
+        }
+
+    def attempt_span_count(self, attempt_id: str) -> int:
+        """How many spans an attempt has stored (0 for an unknown attempt)."""
+        ast = self._attempts.get(attempt_id)
+        return ast.span_count if ast is not None else 0
 
     def rollout_status(self, rollout_id: str) -> RolloutStatus | None:
         rs = self._rollouts.get(rollout_id)

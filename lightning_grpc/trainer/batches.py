@@ -4,19 +4,26 @@ length limits, then packed rows. Everything left out or changed is counted by re
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-import numpy as np
-
-from lightning_grpc.adapter import Aggregated, RolloutTriplets, Row, rows_from_triplets, triplets_from_spans
+from lightning_grpc.adapter import (
+    AdapterConfig,
+    Aggregated,
+    RolloutTriplets,
+    Row,
+    rows_from_triplets,
+    triplets_from_spans,
+)
 from lightning_grpc.types import AttemptStatus, Rollout, RolloutStatus, Span
 
 from .groups import Group
 from .options import BatchOptions, FailurePolicy, PromptOverflow
 from .tensors import PackRow, Ragged, pack
 
+T = TypeVar("T")
 #: Reads the spans of one attempt: (rollout id, attempt id) -> spans in sequence order.
 SpanReader = Callable[[str, str], Awaitable[list[Span]]]
 
@@ -91,26 +98,83 @@ class _Evaluated:
     failure: str
 
 
-async def evaluate(rollout: Rollout, read_spans: SpanReader, options: BatchOptions) -> _Evaluated:
+class PreparedRollouts:
+    """Each attempt's triplets and rows, computed once per (attempt, spans stored, adapter options).
+
+    A finished rollout is usually prepared as soon as it ends (:meth:`TrainerCore.start` watches for
+    that), so cutting a batch mostly joins prepared rows. Spans arriving later change the count and so
+    the key: nothing stale is served. The oldest entries go beyond ``capacity``.
+    """
+
+    def __init__(
+        self, read_spans: SpanReader, span_count: Callable[[str], int], capacity: int = 50_000
+    ) -> None:
+        self.read_spans = read_spans
+        self.span_count = span_count
+        self.capacity = capacity
+        self._triplets: OrderedDict[tuple[Any, ...], RolloutTriplets] = OrderedDict()
+        self._rows: OrderedDict[tuple[Any, ...], Aggregated] = OrderedDict()
+
+    def _key(self, attempt_id: str, config: AdapterConfig) -> tuple[Any, ...]:
+        return (attempt_id, self.span_count(attempt_id), config)
+
+    async def triplets(self, rollout: Rollout, config: AdapterConfig) -> RolloutTriplets:
+        """The triplets of the rollout's latest attempt (none for a rollout never started)."""
+        attempt = rollout.latest_attempt
+        if attempt is None:
+            return triplets_from_spans([], config)
+        key = self._key(attempt.attempt_id, config)
+        found = self._triplets.get(key)
+        if found is None:
+            spans = await self.read_spans(rollout.rollout_id, attempt.attempt_id)
+            key = self._key(attempt.attempt_id, config)  # spans may have arrived while reading
+            found = self._remember(self._triplets, key, triplets_from_spans(spans, config))
+        return found
+
+    def rows(
+        self, rollout: Rollout, config: AdapterConfig, triplets: RolloutTriplets, aggregation: str
+    ) -> Aggregated:
+        attempt = rollout.latest_attempt
+        key = (*self._key(attempt.attempt_id if attempt else "", config), aggregation)
+        found = self._rows.get(key)
+        if found is None or self._triplets.get(key[:3]) is not triplets:
+            found = self._remember(self._rows, key, rows_from_triplets(triplets.triplets, aggregation))
+        return found
+
+    def _remember(self, cache: OrderedDict[tuple[Any, ...], T], key: tuple[Any, ...], value: T) -> T:
+        cache[key] = value
+        while len(cache) > self.capacity:
+            cache.popitem(last=False)
+        return value
+
+
+async def evaluate(rollout: Rollout, prepared: PreparedRollouts, options: BatchOptions) -> _Evaluated:
     """A rollout's triplets (from its latest attempt only) and why it cannot be trained, if it cannot."""
-    attempt = rollout.latest_attempt
-    spans = await read_spans(rollout.rollout_id, attempt.attempt_id) if attempt else []
-    triplets = triplets_from_spans(spans, options.adapter_config())
+    triplets = await prepared.triplets(rollout, options.adapter_config)
     return _Evaluated(rollout, triplets, failure_of(rollout, triplets.reward))
 
 
-def fresh_rows(ev: _Evaluated, options: BatchOptions, drops: Counter[str]) -> Aggregated:
+def fresh_rows(
+    ev: _Evaluated, options: BatchOptions, prepared: PreparedRollouts, drops: Counter[str]
+) -> Aggregated:
     """The rollout's rows from the calls recent enough (``min_policy_version``)."""
     triplets = ev.triplets.triplets
+    aggregation = options.aggregation.name.lower()
     if options.min_policy_version is not None:
         fresh = [t for t in triplets if t.policy_version >= options.min_policy_version]
-        drops[STALE_POLICY] += len(triplets) - len(fresh)
-        triplets = fresh
-    return rows_from_triplets(triplets, options.aggregation.name.lower())
+        if len(fresh) < len(triplets):
+            drops[STALE_POLICY] += len(triplets) - len(fresh)
+            return rows_from_triplets(fresh, aggregation)
+    return prepared.rows(ev.rollout, options.adapter_config, ev.triplets, aggregation)
 
 
 def fit_to_limits(row: Row, options: BatchOptions, drops: Counter[str]) -> tuple[Row | None, bool]:
     """The row within the length limits: (row or None when it is left out, truncated)."""
+    if not (options.max_prompt_length or options.max_response_length):
+        if row.response_mask.any():
+            return row, False
+        drops[ZERO_TRAINABLE_TOKENS] += 1
+        return None, False
     truncated = False
     limit = options.max_prompt_length
     if limit and len(row.prompt_ids) > limit:
@@ -146,7 +210,7 @@ async def build_batch(
     batch_id: str,
     groups: Sequence[Group],
     rollouts: dict[str, Rollout],
-    read_spans: SpanReader,
+    prepared: PreparedRollouts,
     options: BatchOptions,
 ) -> BuiltBatch:
     """The batch of these (ended) groups."""
@@ -155,7 +219,7 @@ async def build_batch(
     pack_rows: list[PackRow] = []
     for group in groups:
         members = [rollouts[rid] for rid in group.rollout_ids if rid in rollouts]
-        evaluated = [await evaluate(r, read_spans, options) for r in members]
+        evaluated = [await evaluate(r, prepared, options) for r in members]
         failures = [ev.failure for ev in evaluated if ev.failure]
         for reason in failures:
             drops[reason] += 1
@@ -167,20 +231,25 @@ async def build_batch(
             if ev.failure and options.failure_policy == FailurePolicy.DROP_ROLLOUT:
                 drops[ROLLOUT_DROPPED] += 1
                 continue
-            _add_rollout(out, pack_rows, ev, group, options)
+            _add_rollout(out, pack_rows, ev, group, options, prepared)
     out.ragged = pack(pack_rows, include_log_probs=not options.exclude_log_probs)
     return out
 
 
 def _add_rollout(
-    out: BuiltBatch, pack_rows: list[PackRow], ev: _Evaluated, group: Group, options: BatchOptions
+    out: BuiltBatch,
+    pack_rows: list[PackRow],
+    ev: _Evaluated,
+    group: Group,
+    options: BatchOptions,
+    prepared: PreparedRollouts,
 ) -> None:
     _count_adapter_drops(ev, out.drops)
     filled = bool(ev.failure)
     if filled:
         out.drops[ROLLOUT_FILLED] += 1
     reward = options.fill_reward if filled else float(ev.triplets.reward)  # type: ignore[arg-type]
-    aggregated = fresh_rows(ev, options, out.drops)
+    aggregated = fresh_rows(ev, options, prepared, out.drops)
     out.trajectory_breaks += len(aggregated.breaks)
     kept: list[tuple[Row, bool]] = []
     for row in aggregated.rows:
@@ -220,13 +289,5 @@ def _add_rollout(
             )
         )
         pack_rows.append(
-            PackRow(
-                np.asarray(row.prompt_ids),
-                np.asarray(row.response_ids),
-                np.asarray(row.response_mask),
-                None if row.logprobs is None else np.asarray(row.logprobs),
-                score,
-                reward,
-                index,
-            )
+            PackRow(row.prompt_ids, row.response_ids, row.response_mask, row.logprobs, score, reward, index)
         )

@@ -8,6 +8,7 @@ trainer's. Reported steps are kept in the Store's key/value metadata.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -18,12 +19,12 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_grpc.adapter import Aggregated, RolloutTriplets, rows_from_triplets, triplets_from_spans
+from lightning_grpc.adapter import Aggregated, RolloutTriplets, rows_from_triplets
 from lightning_grpc.errors import InvalidArgumentError, NotFoundError
 from lightning_grpc.store import Store
 from lightning_grpc.types import Rollout, RolloutConfig, RolloutMode, RolloutSpec, RolloutStatus
 
-from .batches import BuiltBatch, SpanReader, build_batch
+from .batches import BuiltBatch, PreparedRollouts, SpanReader, build_batch
 from .groups import (
     BATCH_KEY,
     GROUP_SIZE_KEY,
@@ -106,6 +107,11 @@ class TrainerCore:
         self.read_spans = read_spans
         self.clock = clock
         self.book = GroupBook()
+        self.prepared = PreparedRollouts(read_spans, store.attempt_span_count)
+        #: The adapter options of the last batch: finished rollouts are prepared with them ahead of time.
+        self.adapter_config = BatchOptions().adapter_config
+        self.aggregation = "transition"
+        self._preparing: asyncio.Task[None] | None = None
         self.drops: Counter[str] = Counter()
         self.batches = 0
         self.rows = 0
@@ -121,8 +127,33 @@ class TrainerCore:
         self._events = [TrainingEvent(**json.loads(stored[k])) for k in sorted(stored)]
         self.policy_version = int(self.store.meta_items(POLICY_VERSION_KEY).get(POLICY_VERSION_KEY, "0"))
         self._event_added = asyncio.Event()
+        self._preparing = asyncio.create_task(
+            self._prepare_finished_rollouts(), name="lightning-trainer-prepare"
+        )
         log.info("event=trainer_started groups=%d training_events=%d", len(self.book), len(self._events))
         return self
+
+    async def close(self) -> None:
+        if self._preparing is not None:
+            self._preparing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._preparing
+
+    async def _prepare_finished_rollouts(self) -> None:
+        """Turn each trainer rollout into triplets and rows as it ends, so that batches are quick to cut."""
+        terminal = [int(s) for s in RolloutStatus if s.is_terminal]
+        try:
+            async for event in self.store.watch_rollouts(statuses=terminal, progress_interval=60):
+                r = event.rollout
+                if r is None or GROUP_SIZE_KEY not in r.metadata or BATCH_KEY in r.metadata:
+                    continue
+                try:
+                    triplets = await self.prepared.triplets(r, self.adapter_config)
+                    self.prepared.rows(r, self.adapter_config, triplets, self.aggregation)
+                except Exception as exc:  # preparing is an optimisation: the batch computes it again
+                    log.warning("event=trainer_prepare_failed rollout_id=%s error=%r", r.rollout_id, exc)
+        except Exception as exc:
+            log.warning("event=trainer_prepare_stopped error=%r", exc)
 
     # ------------------------------------------------------------ groups
     async def submit_groups(
@@ -223,8 +254,10 @@ class TrainerCore:
     async def _built(
         self, batch_id: str, groups: Sequence[Group], options: BatchOptions, *, carried: int, short: bool
     ) -> BatchResult:
-        rollouts = self.store.rollout_snapshots(rid for g in groups for rid in g.rollout_ids)
-        batch = await build_batch(batch_id, groups, rollouts, self.read_spans, options)
+        self.adapter_config, self.aggregation = options.adapter_config, options.aggregation.name.lower()
+        # the groups have ended: their rollouts are final, read without copies
+        rollouts = self.store.rollout_snapshots((rid for g in groups for rid in g.rollout_ids), copy=False)
+        batch = await build_batch(batch_id, groups, rollouts, self.prepared, options)
         return BatchResult(batch, carried, short)
 
     def _statuses(self, groups: Sequence[Group]) -> dict[str, RolloutStatus | None]:
@@ -346,9 +379,7 @@ class TrainerCore:
                 f"rollout {rollout_id} not found", reason="ROLLOUT_NOT_FOUND", rolloutId=rollout_id
             )
         await self.store.durable()
-        attempt = snapshot.latest_attempt
-        spans = await self.read_spans(rollout_id, attempt.attempt_id) if attempt else []
-        triplets = triplets_from_spans(spans, options.adapter_config())
+        triplets = await self.prepared.triplets(snapshot, options.adapter_config)
         return RolloutInspection(
             snapshot, triplets, rows_from_triplets(triplets.triplets, options.aggregation.name.lower())
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 
@@ -127,6 +128,7 @@ class BatchOptions:
             raise InvalidArgumentError(f"{field}.reward_dimension", "must be at most 256 characters")
         return cls(**v)  # type: ignore[arg-type]
 
+    @functools.cached_property
     def adapter_config(self) -> AdapterConfig:
         return AdapterConfig(
             aggregation=self.aggregation.name.lower(),

@@ -184,30 +184,29 @@ def pad(
                 f"response_length {response_length} is shorter than the longest response ({width_r})"
             )
         width_r = response_length
-    row_of_token = np.repeat(np.arange(b), p_len + r_len)
-    row_start = np.concatenate(([0], np.cumsum(p_len + r_len)[:-1])) if b else np.zeros(0, np.int64)
-    is_prompt = (np.arange(row_of_token.shape[0]) - row_start[row_of_token]) < p_len[row_of_token]
     in_prompt = _placements(p_len, width_p, left=True)
     in_response = _placements(r_len, width_r, left=False)
-
-    prompts = np.full((b, width_p), pad_token_id, dtype=ids_dtype)
-    prompts[in_prompt] = batch.token_ids[is_prompt]
-    responses = np.full((b, width_r), pad_token_id, dtype=ids_dtype)
-    responses[in_response] = batch.token_ids[~is_prompt]
+    attended = np.concatenate([in_prompt, in_response], axis=1)
+    # Row-major, the attended places of a row are its prompt's then its response's: exactly the order of
+    # the ragged tokens, so one masked assignment fills the ids. prompts and responses are views into it.
+    input_ids = np.full((b, width_p + width_r), pad_token_id, dtype=ids_dtype)
+    input_ids[attended] = batch.token_ids
+    prompts, responses = input_ids[:, :width_p], input_ids[:, width_p:]
     response_mask = np.zeros((b, width_r), dtype=ids_dtype)
     response_mask[in_response] = batch.response_mask
-    attended = np.concatenate([in_prompt, in_response], axis=1)
     attention_mask = attended.astype(ids_dtype)
-    position_ids = np.clip(np.cumsum(attended, axis=1) - 1, 0, None).astype(ids_dtype)
+    # clamp(cumsum(attention_mask) - 1, 0), computed directly: a row's positions count from its first token
+    position_ids = np.arange(width_p + width_r, dtype=np.int64)[None, :] - (width_p - p_len)[:, None]
+    np.clip(position_ids, 0, np.maximum(p_len + r_len - 1, 0)[:, None], out=position_ids)
     scores = np.zeros((b, width_r), dtype=np.float32)
     has_response = r_len > 0
     scores[np.flatnonzero(has_response), r_len[has_response] - 1] = batch.scores[has_response]
     out = {
         "prompts": prompts,
         "responses": responses,
-        "input_ids": np.concatenate([prompts, responses], axis=1),
+        "input_ids": input_ids,
         "attention_mask": attention_mask,
-        "position_ids": position_ids,
+        "position_ids": position_ids.astype(ids_dtype, copy=False),
         "response_mask": response_mask,
         "token_level_scores": scores,
     }

@@ -1,0 +1,82 @@
+"""``lightning-grpc train CONFIG``: a whole training experiment from one TOML or YAML file.
+
+lightning-grpc train examples/combination_lock/config.toml
+lightning-grpc train config.toml --resume runs/lock/checkpoints/step-000050 --set experiment.steps=400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("train", help="run a training experiment described by a TOML or YAML file")
+    p.add_argument("config", type=Path, help="the experiment file")
+    p.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from a checkpoint directory")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a setting (VALUE is read as JSON, else as text); repeatable",
+    )
+    p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress bar")
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=run_train)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or "." not in key:
+            raise SystemExit(f"error: --set wants SECTION.KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from lightning_grpc.cli.main import configure_logging
+    from lightning_grpc.trainer.experiment import ConfigError, load_experiment
+    from lightning_grpc.trainer.loop import run_experiment
+
+    configure_logging(args.log_level)
+    try:
+        config = load_experiment(args.config, parse_overrides(args.set))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.resume is not None and not (args.resume / "trainer_state.pt").exists():
+        print(f"error: --resume {args.resume} is not a checkpoint (no trainer_state.pt)", file=sys.stderr)
+        return 2
+    result = run_experiment(config, resume=args.resume, progress=not args.no_progress)
+    print(report(result, config.validation.target))
+    return 0
+
+
+def report(result: Any, target: float | None) -> str:
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = [
+        "",
+        f"stopped after {result.steps} steps: {result.stopped_because} ({result.seconds:.0f}s)",
+        f"validation reward: before {fmt(result.val_before)}, after {fmt(result.val_after)}"
+        + (f" (target {target:g})" if target is not None else ""),
+        f"trained checkpoint: {result.checkpoint}",
+    ]
+    split = {k: v for k, v in result.time_split.items() if v}
+    if split:
+        lines.append("where the time went (seconds, summed over steps):")
+        lines += [f"  {name[: -len('_seconds')]}: {value:.1f}" for name, value in sorted(split.items())]
+    for when in ("before", "after"):
+        if result.transcripts.get(when):
+            lines += [f"a validation rollout {when} training:", result.transcripts[when]]
+    return "\n".join(lines)

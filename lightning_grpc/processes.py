@@ -1,0 +1,82 @@
+"""Child processes of ``lightning-grpc`` commands (store, engine, runners), their output read line by line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+
+class Background:
+    """A child process whose output (stdout and stderr together) a thread reads line by line."""
+
+    def __init__(self, name: str, args: Sequence[str], env: Mapping[str, str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(env),
+        )
+        self.lines: list[str] = []
+        self._closed = False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def wait_for(self, marker: str, count: int = 1, timeout: float = 30.0) -> list[str]:
+        """The first ``count`` output lines holding ``marker``, once there are that many."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                found = [line for line in self.lines if marker in line]
+                if len(found) >= count:
+                    return found[:count]
+                left = deadline - time.monotonic()
+                if self._closed or left <= 0:
+                    why = "exited" if self._closed else f"waited {timeout:.0f}s"
+                    raise RuntimeError(f"{self.name}: {why} before {count} x {marker!r} in its output")
+                self._changed.wait(left)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL if it is still there after ``timeout`` seconds; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._reader.join(5)
+        return code
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(f"  | {line}" for line in self.lines[-lines:])
+
+
+def log_field(line: str, key: str) -> str:
+    """The value of ``key=value`` in a log line."""
+    return line.split(f"{key}=", 1)[1].split()[0]
+
+
+def child_env() -> dict[str, str]:
+    """This environment without LIGHTNING_GRPC_* settings (a token or store address of the user's own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_GRPC_")}

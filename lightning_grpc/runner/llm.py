@@ -1,0 +1,53 @@
+"""OpenAI clients for agents, sharing one connection pool per process and event loop.
+
+An agent gets its LLM as a resource routed to its attempt (``llm.endpoint``), so each rollout talks to
+a different base URL. Building an ``openai.AsyncOpenAI`` per rollout builds an HTTP client, a TLS
+context and a connection pool each time, which costs more CPU than the call itself when rollouts are
+short. :func:`openai_client` gives each rollout a client for its own URL over one shared pool, on
+aiohttp (the OpenAI SDK's ``DefaultAioHttpClient``): measured with 128 agents on this project's
+2-core machine, about 0.9 ms of client CPU per call, against 4 ms over a shared httpx pool and 8 ms
+with a new client per rollout::
+
+    @rollout
+    async def agent(task, llm):
+        client = openai_client(llm)
+        reply = await client.chat.completions.create(model=llm.model, messages=[...])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any
+
+from lightning_grpc.types import LLM
+
+_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+
+
+def shared_http_client() -> Any:
+    """The OpenAI SDK's aiohttp-based client of the running event loop (made on first use, then kept)."""
+    import openai
+
+    loop = asyncio.get_running_loop()
+    pool = _POOLS.get(loop)
+    if pool is None or pool.is_closed:
+        pool = _POOLS[loop] = openai.DefaultAioHttpClient(timeout=600.0)
+    return pool
+
+
+def openai_client(llm: LLM, *, max_retries: int = 6, **options: Any) -> Any:
+    """An ``openai.AsyncOpenAI`` for ``llm`` (its endpoint, key) over the shared connection pool.
+
+    ``max_retries`` defaults to 6 so that calls refused while the proxy is paused for a weight update
+    (HTTP 429 with Retry-After) are retried. Do not close the client: the pool outlives the rollout.
+    """
+    import openai
+
+    return openai.AsyncOpenAI(
+        base_url=llm.endpoint,
+        api_key=llm.api_key or "unused",
+        http_client=shared_http_client(),
+        max_retries=max_retries,
+        **options,
+    )

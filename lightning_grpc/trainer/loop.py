@@ -1,0 +1,505 @@
+"""The training loop: rollouts through the whole system, whole-group batches, an update, new weights served.
+
+Each step (sync mode): submit ``batch_size`` GRPO groups of training tasks; the runners play them, their
+agents calling the model through the proxy; take the batch of those whole groups from TrainerService;
+update the model (:class:`~.learner.Learner`); pause and drain the proxy, load the new weights into the
+engine (``/admin/load_weights``, so every later call records the new policy version), resume; report
+the step. In async mode groups keep running across the update (carry-over), the proxy is not paused,
+and calls older than ``max_staleness`` policy versions are dropped from batches and counted.
+
+Every ``validation.every`` steps the validation tasks run (mode val, never trained) and the run stops
+once the validation reward reaches ``validation.target``. Metrics go to ``metrics.csv``, TensorBoard
+(when installed) and ``reward.png``; checkpoints (weights, optimiser, step, random states) to
+``checkpoints/step-N`` and the final model to ``final/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import torch
+
+from lightning_grpc import semconv
+from lightning_grpc.algorithm import final_reward
+from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
+from lightning_grpc.proxy.client import ProxyClient
+from lightning_grpc.types import ProxyLLM, RolloutConfig, Span
+
+from .experiment import ExperimentConfig, read_tasks
+from .learner import Learner, UpdateInput
+from .metrics import MetricsLog, summary_line
+from .services import Services, start_runners, start_services
+
+log = logging.getLogger("lightning_grpc.trainer")
+
+PRINTED = (
+    "reward_mean",
+    "solved",
+    "val_reward",
+    "zero_variance_groups",
+    "pg_clipfrac",
+    "entropy",
+    "step_seconds",
+)
+
+
+@dataclass
+class RunResult:
+    steps: int
+    stopped_because: str
+    val_before: float | None
+    val_after: float | None
+    checkpoint: Path
+    history: list[dict[str, float]] = field(default_factory=list)
+    transcripts: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    time_split: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Validation:
+    reward: float
+    solved: float
+    failed: int
+    transcript: str
+
+
+class CpuClock:
+    """CPU seconds each process spent since the last reading (where the time of a step goes)."""
+
+    def __init__(self, processes: Mapping[str, int]) -> None:
+        self._procs = {}
+        for name, pid in processes.items():
+            try:
+                self._procs[name] = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                continue
+        self._last = self._read()
+
+    def _read(self) -> dict[str, float]:
+        out = {}
+        for name, proc in self._procs.items():
+            try:
+                times = proc.cpu_times()
+                out[name] = times.user + times.system
+                if name != "trainer":  # the trainer's children are the other services, counted apart
+                    out[name] += sum(
+                        c.cpu_times().user + c.cpu_times().system for c in proc.children(recursive=True)
+                    )
+            except psutil.Error:
+                out[name] = self._last.get(name, 0.0) if hasattr(self, "_last") else 0.0
+        return out
+
+    def lap(self) -> dict[str, float]:
+        now = self._read()
+        lap = {f"cpu_{name}_seconds": now[name] - self._last.get(name, 0.0) for name in now}
+        self._last = now
+        return lap
+
+
+class TrainingRun:
+    """One experiment, from set-up to the final checkpoint."""
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        *,
+        resume: Path | None = None,
+        progress: bool = True,
+        say: Callable[[str], None] = print,
+    ) -> None:
+        self.config = config
+        self.resume = resume
+        self.progress = progress
+        self.say = say
+        self.out = config.output_dir
+        self.train_tasks = read_tasks(config.path(config.agent.train_tasks))
+        self.val_tasks = read_tasks(config.path(config.agent.val_tasks)) if config.agent.val_tasks else []
+        self.services: Services | None = None
+        self.learner: Learner | None = None
+        self.policy_version = 0
+        self.metrics = MetricsLog(self._prepared_output())
+
+    def _prepared_output(self) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2, default=str))
+        return self.out
+
+    # ------------------------------------------------------------ set-up
+    def model_dir(self) -> Path:
+        """The model the run starts from: the checkpoint resumed, or the configured one (built if asked)."""
+        if self.resume is not None:
+            return self.resume
+        path = self.config.path(self.config.model.path)
+        if not (path / "config.json").exists():
+            if not self.config.model.init:
+                raise FileNotFoundError(
+                    f"model.path: no model in {path} (set model.init = true to build one)"
+                )
+            self.say(f"building the tiny model in {path}")
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "lightning_grpc.cli.main",
+                    "init-model",
+                    str(path),
+                    "--seed",
+                    str(self.config.experiment.seed),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"init-model failed:\n{done.stdout}{done.stderr}")
+        return path
+
+    def _learner(self, model_dir: Path) -> tuple[Learner, int]:
+        torch.set_num_threads(self.config.services.trainer_threads)
+        options: dict[str, Any] = {
+            "ppo_config": self.config.ppo,
+            "optim": self.config.optim,
+            "seed": self.config.experiment.seed,
+        }
+        if self.resume is not None:
+            learner, extra = Learner.resume(self.resume, **options)
+            return learner, int(extra.get("policy_version", learner.step))
+        return Learner(model_path=model_dir, **options), 0
+
+    # ------------------------------------------------------------ the run
+    async def run(self) -> RunResult:
+        started = time.monotonic()
+        model_dir = self.model_dir()
+        self.learner, self.policy_version = self._learner(model_dir)
+        first_step = self.learner.step + 1
+        self.metrics.truncate(self.learner.step)
+        self.say(f"starting the services (model {model_dir}, policy version {self.policy_version})")
+        self.services = start_services(self.config, model_dir, policy_version=self.policy_version)
+        try:
+            return await self._run_with_services(first_step, started)
+        finally:
+            self.services.stop()
+            self.metrics.close()
+
+    async def _run_with_services(self, first_step: int, started: float) -> RunResult:
+        assert self.services is not None and self.learner is not None
+        svc = self.services
+        cfg = self.config
+        client_config = ClientConfig(target=svc.store, timeout=120.0)
+        async with (
+            StoreClient(client_config) as store,
+            TrainerClient(client_config) as trainer,
+            ProxyClient(ClientConfig(target=svc.proxy_grpc)) as proxy,
+            aiohttp.ClientSession() as http,
+        ):
+            self.store, self.trainer, self.proxy, self.http = store, trainer, proxy, http
+            resources = await store.add_resources(
+                {
+                    "llm": ProxyLLM(
+                        endpoint=f"{svc.proxy_url}/v1",
+                        model=cfg.model.served_name,
+                        sampling_parameters={
+                            "temperature": cfg.sampling.temperature,
+                            "top_p": cfg.sampling.top_p,
+                            "max_tokens": cfg.sampling.max_tokens,
+                        },
+                    )
+                }
+            )
+            self.resources_id = resources.resources_id
+            start_runners(cfg, svc)
+            clock = CpuClock(self._pids())
+            before = await self.validate(first_step - 1) if self.val_tasks else None
+            if before is not None:
+                self.say(
+                    f"validation before training: reward {before.reward:.3f} (solved {before.solved:.2f})"
+                )
+            val_after = before
+            reason = "step limit"
+            step = first_step - 1
+            bar = self._bar(first_step)
+            in_flight: list[str] = []
+            for step in range(first_step, cfg.experiment.steps + 1):
+                svc.check_alive()
+                metrics = await self.train_step(step, in_flight)
+                metrics.update(clock.lap())
+                if self.val_tasks and cfg.validation.every and step % cfg.validation.every == 0:
+                    val = await self.validate(step)
+                    metrics.update(
+                        {"val_reward": val.reward, "val_solved": val.solved, "val_failed": val.failed}
+                    )
+                    val_after = val
+                self.metrics.add(step, metrics)
+                await self.trainer.report_step(step, self.policy_version, metrics, run_id=cfg.experiment.name)
+                self._show(bar, step, metrics)
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    self.checkpoint(step)
+                target = cfg.validation.target
+                if (
+                    target is not None
+                    and val_after is not None
+                    and "val_reward" in metrics
+                    and val_after.reward >= target
+                ):
+                    reason = f"validation reward {val_after.reward:.3f} reached the target {target:g}"
+                    break
+            if bar is not None:
+                bar.close()
+            if self.val_tasks and self.metrics.rows and "val_reward" not in self.metrics.rows[-1]:
+                val_after = await self.validate(step)
+                self.metrics.update(step, {"val_reward": val_after.reward, "val_solved": val_after.solved})
+            final = self.checkpoint(step, final=True)
+            plot = self.metrics.plot(self.out / "reward.png", cfg.validation.target)
+            if plot is not None:
+                self.say(f"reward curve: {plot}")
+            self.say(f"metrics: {self.metrics.csv_path}")
+            return RunResult(
+                steps=step - first_step + 1,
+                stopped_because=reason,
+                val_before=None if before is None else before.reward,
+                val_after=None if val_after is None else val_after.reward,
+                checkpoint=final,
+                history=[dict(r) for r in self.metrics.rows],
+                transcripts={
+                    "before": before.transcript if before else "",
+                    "after": val_after.transcript if val_after else "",
+                },
+                seconds=time.monotonic() - started,
+                time_split=self._time_split(),
+            )
+
+    def _pids(self) -> dict[str, int]:
+        assert self.services is not None
+        pids = {"trainer": psutil.Process().pid}
+        for process in self.services.started:
+            pids[process.name] = process.proc.pid
+        return pids
+
+    # ------------------------------------------------------------ one step
+    async def train_step(self, step: int, in_flight: list[str]) -> dict[str, float]:
+        assert self.learner is not None
+        cfg = self.config
+        t0 = time.perf_counter()
+        sync = cfg.experiment.mode == "sync"
+        wanted = cfg.data.batch_size if sync else cfg.experiment.async_groups - len(in_flight)
+        groups = await self.submit(
+            self.train_tasks, step, max(0, wanted), cfg.data.group_size, "train", f"s{step}"
+        )
+        in_flight.extend(groups)
+        min_version = None if sync else max(0, self.policy_version - cfg.experiment.max_staleness)
+        t1 = time.perf_counter()
+        if sync:  # generation apart from the data path: wait for every rollout of the step first
+            ids = [f"{gid}-r{i}" for gid in groups for i in range(cfg.data.group_size)]
+            await self.store.wait_for_rollouts(ids, timeout=3600)
+        t_generated = time.perf_counter()
+        batch = await self.trainer.get_batch(
+            min_groups=cfg.data.batch_size,
+            max_groups=cfg.data.batch_size,
+            wait=60 if sync else 3600,
+            request_id=f"{cfg.experiment.name}-b{step}",
+            pad_token_id=self._pad_id(),
+            max_prompt_length=cfg.data.max_prompt_length,
+            max_response_length=cfg.data.max_response_length,
+            aggregation=cfg.data.aggregation,
+            failure_policy=cfg.data.failure_policy,
+            fill_reward=cfg.data.fill_reward,
+            min_policy_version=min_version,
+        )
+        for gid in batch.group_ids:
+            in_flight.remove(gid)
+        t2 = time.perf_counter()
+        metrics = (
+            self.learner.update(UpdateInput(batch.arrays, batch.uid, cfg.validation.solved_at))
+            if len(batch)
+            else {}
+        )
+        t3 = time.perf_counter()
+        self.policy_version = self.learner.step
+        await self.publish_weights(pause=sync)
+        t4 = time.perf_counter()
+        metrics.update({f"drop_{reason}": float(count) for reason, count in batch.drops.items()})
+        metrics.update(
+            {
+                "policy_version": float(self.policy_version),
+                "carried_over_groups": float(batch.carried_over_groups),
+                "batch_rows": float(len(batch)),
+                "step_seconds": t4 - t0,
+                # sync: rollouts until every group ended; async: waiting for the batch (data path included)
+                "generation_seconds": t_generated - t1 if sync else t2 - t1,
+                "data_path_seconds": t2 - t_generated if sync else 0.0,
+                "update_seconds": t3 - t2,
+                "weight_sync_seconds": t4 - t3,
+            }
+        )
+        return metrics
+
+    async def submit(
+        self, tasks: Sequence[Any], step: int, groups: int, group_size: int, mode: str, tag: str
+    ) -> list[str]:
+        """``groups`` GRPO groups of tasks drawn for this step (seeded), with ids that name the step."""
+        if groups <= 0:
+            return []
+        rng = random.Random(f"{self.config.experiment.seed}-{tag}")
+        chosen = [tasks[i % len(tasks)] for i in rng.sample(range(max(groups, len(tasks))), groups)]
+        from lightning_grpc.trainer import GroupSample
+
+        samples = [
+            GroupSample(task, f"{self.config.experiment.name}-{tag}-g{i}") for i, task in enumerate(chosen)
+        ]
+        submitted = await self.trainer.submit_groups(
+            samples,
+            group_size,
+            mode=mode,
+            resources_id=self.resources_id,
+            config=RolloutConfig(timeout=300, unresponsive_timeout=120),
+            step=step,
+        )
+        return [g.group_id for g in submitted]
+
+    def _pad_id(self) -> int:
+        assert self.learner is not None
+        config = self.learner.model.config
+        pad = getattr(config, "pad_token_id", None)
+        return int(pad) if isinstance(pad, int) else 0
+
+    async def publish_weights(self, *, pause: bool) -> None:
+        """The learner's weights into the engine, as policy version ``self.policy_version``."""
+        assert self.learner is not None and self.services is not None
+        path = self.learner.export_weights(self.out / "weights")
+        if pause:
+            await self.proxy.pause("weight update")
+            await self.proxy.drain(timeout=120)
+        try:
+            async with self.http.post(
+                f"{self.services.engine_url}/admin/load_weights",
+                json={"path": str(path.resolve()), "policy_version": self.policy_version},
+            ) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(
+                        f"the engine refused the new weights: {resp.status} {await resp.text()}"
+                    )
+        finally:
+            if pause:
+                await self.proxy.resume()
+
+    # ------------------------------------------------------------ validation
+    async def validate(self, step: int) -> Validation:
+        """The validation tasks at the current weights (mode val: never trained)."""
+        cfg = self.config
+        groups = await self.submit(
+            self.val_tasks, step, len(self.val_tasks), cfg.validation.samples, "val", f"v{step}"
+        )
+        ids = [f"{gid}-r{i}" for gid in groups for i in range(cfg.validation.samples)]
+        await self.store.wait_for_rollouts(ids, timeout=600)
+        rewards: list[float] = []
+        failed = 0
+        transcript = ""
+        for rid in ids:
+            spans = await self.store.query_spans(rid, "latest")
+            reward = final_reward(spans)
+            rollout = await self.store.get_rollout(rid)
+            if reward is None or rollout.status.name != "SUCCEEDED":
+                failed += 1
+                reward = 0.0  # evaluation counts a failure as no reward; training never does
+            rewards.append(reward)
+            if not transcript:
+                transcript = transcript_of(spans, reward)
+        await self.trainer.get_batch(
+            min_groups=len(groups), max_groups=len(groups), mode="val", wait=60, failure_policy="fill"
+        )  # hands the val groups out of the book; nothing trains on them
+        solved = sum(r >= cfg.validation.solved_at for r in rewards) / max(1, len(rewards))
+        return Validation(sum(rewards) / max(1, len(rewards)), solved, failed, transcript)
+
+    # ------------------------------------------------------------ checkpoints and output
+    def checkpoint(self, step: int, *, final: bool = False) -> Path:
+        assert self.learner is not None
+        extra = {"policy_version": self.policy_version, "experiment": self.config.experiment.name}
+        if final:
+            path = self.out / "final"
+            if path.exists():
+                shutil.rmtree(path)
+            return self.learner.save_checkpoint(path, extra)
+        path = self.learner.save_checkpoint(self.out / "checkpoints" / f"step-{step:06d}", extra)
+        kept = sorted((self.out / "checkpoints").glob("step-*"))
+        for old in kept[: max(0, len(kept) - max(1, self.config.checkpoint.keep))]:
+            shutil.rmtree(old)
+        return path
+
+    def _bar(self, first_step: int) -> Any:
+        if not self.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(
+            total=self.config.experiment.steps,
+            initial=first_step - 1,
+            desc="training",
+            unit="step",
+            leave=True,
+        )
+
+    def _show(self, bar: Any, step: int, metrics: Mapping[str, float]) -> None:
+        line = summary_line(step, metrics, PRINTED)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(
+                " ".join(f"{k}={metrics[k]:.2f}" for k in ("reward_mean", "val_reward") if k in metrics)
+            )
+            bar.write(line)
+        else:
+            self.say(line)
+
+    def _time_split(self) -> dict[str, float]:
+        """Seconds spent per part over the run (sums of the per-step figures)."""
+        names = [k for k in self.metrics.rows[-1] if k.endswith("_seconds")] if self.metrics.rows else []
+        return {
+            name: sum(float(r.get(name, 0.0)) for r in self.metrics.rows if isinstance(r.get(name), float))
+            for name in names
+        }
+
+
+def transcript_of(spans: Sequence[Span], reward: float | None) -> str:
+    """The conversation of a rollout, read from its LLM-call spans: each prompt's last message, each answer."""
+    lines = []
+    calls = sorted(
+        (s for s in spans if s.name == semconv.SPAN_LLM_CALL), key=lambda s: s.start_time_unix_nano
+    )
+    for span in calls:
+        request = _json(span.attributes.get(semconv.LLM_REQUEST))
+        response = _json(span.attributes.get(semconv.LLM_RESPONSE))
+        messages = request.get("messages") or []
+        if messages:
+            last = messages[-1]
+            lines.append(f"  {last.get('role', 'user')}: {last.get('content', '')}")
+        choices = response.get("choices") or [{}]
+        answer = (choices[0].get("message") or {}).get("content", choices[0].get("text", ""))
+        lines.append(f"  assistant: {answer!r}")
+    lines.append(f"  reward: {reward if reward is not None else 'none'}")
+    return "\n".join(lines)
+
+
+def _json(text: Any) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if isinstance(text, str) else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def run_experiment(
+    config: ExperimentConfig, *, resume: Path | None = None, progress: bool = True
+) -> RunResult:
+    return asyncio.run(TrainingRun(config, resume=resume, progress=progress).run())

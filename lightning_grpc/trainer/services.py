@@ -1,0 +1,157 @@
+"""What a training run talks to: the engine, the server (Store, Trainer and the hosted proxy) and a runner
+fleet. Each is started here as a ``lightning-grpc`` child process unless the experiment names a running one."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_grpc.processes import Background, child_env, log_field
+
+from .experiment import ExperimentConfig
+
+log = logging.getLogger("lightning_grpc.trainer")
+
+CLI = ["-m", "lightning_grpc.cli.main"]
+
+
+@dataclass
+class Services:
+    """Addresses of the running services, and the processes this run started."""
+
+    store: str
+    proxy_url: str
+    proxy_grpc: str
+    engine_url: str
+    started: list[Background] = field(default_factory=list)
+    runners: Background | None = None
+
+    def check_alive(self) -> None:
+        """Raise when a process this run started has exited."""
+        for process in self.started:
+            if not process.alive():
+                raise RuntimeError(
+                    f"the {process.name} process exited (code {process.proc.returncode}):\n{process.tail()}"
+                )
+
+    def stop(self) -> None:
+        """Stop the processes this run started, runners first."""
+        for process in reversed(self.started):
+            process.stop(timeout=20)
+
+
+def _env(threads: int) -> dict[str, str]:
+    return {
+        **child_env(),
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+
+
+def start_services(
+    config: ExperimentConfig, model_dir: Path, *, policy_version: int = 0, db: Path | None = None
+) -> Services:
+    """Start what the experiment does not name; returns once everything serves."""
+    svc = config.services
+    started: list[Background] = []
+    try:
+        engine_url = svc.engine
+        if not engine_url:
+            engine = Background(
+                "engine",
+                [
+                    *CLI,
+                    "engine",
+                    "--model",
+                    str(model_dir),
+                    "--port",
+                    "0",
+                    "--served-model-name",
+                    config.model.served_name,
+                    "--threads",
+                    str(svc.engine_threads),
+                    "--policy-version",
+                    str(policy_version),
+                    "--max-batch-size",
+                    str(max(64, config.agent.concurrency * config.agent.processes)),
+                ],
+                _env(svc.engine_threads),
+            )
+            started.append(engine)
+            engine_url = "http://" + log_field(
+                engine.wait_for("event=engine_started", timeout=120)[0], "address"
+            )
+        store, proxy_url, proxy_grpc = svc.store, svc.proxy, svc.proxy_grpc or svc.store
+        if not store:
+            where = ["--db", str(db)] if db is not None else ["--memory"]
+            server = Background(
+                "server",
+                [
+                    *CLI,
+                    "serve",
+                    "--port",
+                    "0",
+                    *where,
+                    "--grace",
+                    "2",
+                    "--proxy-backend",
+                    f"{engine_url}/v1",
+                    "--proxy-model-name",
+                    config.model.served_name,
+                    "--proxy-port",
+                    "0",
+                ],
+                _env(1),
+            )
+            started.append(server)
+            store = log_field(server.wait_for("event=server_started", timeout=60)[0], "address")
+            proxy_url = log_field(server.wait_for("event=proxy_started", timeout=60)[0], "http_address")
+            proxy_grpc = store
+        if not proxy_url:
+            raise RuntimeError(
+                "services.proxy must name the running proxy's HTTP address when services.store is set"
+            )
+        return Services(store, _http(proxy_url), proxy_grpc, engine_url, started)
+    except BaseException:
+        for process in reversed(started):
+            process.stop(timeout=10)
+        raise
+
+
+def start_runners(config: ExperimentConfig, services: Services) -> Background:
+    """The runner fleet playing the experiment's agent against the server."""
+    runners = Background(
+        "runners",
+        [
+            *CLI,
+            "runner",
+            config.agent.agent,
+            "--store",
+            services.store,
+            "--concurrency",
+            str(config.agent.concurrency),
+            "--processes",
+            str(config.agent.processes),
+            "--poll-wait",
+            "1",
+            "--heartbeat-interval",
+            "10",
+        ],
+        {**_env(1), "PYTHONPATH": str(Path.cwd())},
+    )
+    try:
+        runners.wait_for("event=runner_started", count=config.agent.processes, timeout=120)
+    except RuntimeError:
+        runners.stop(timeout=10)
+        raise
+    services.started.append(runners)
+    services.runners = runners
+    return runners
+
+
+def _http(address: str) -> str:
+    return address if address.startswith("http") else f"http://{address}"
