@@ -334,6 +334,56 @@ def rss_after_fill(sizes: Sizes, workdir: Path, log: Any) -> dict[str, Any]:
     return result
 
 
+# ------------------------------------------------------------------ the training loop against direct generation
+
+#: Steps of the demo's loop and of direct generation per profile (None: not run; it trains for real).
+TRAINER_LOOP_STEPS: dict[str, int | None] = {"full": 15, "quick": 6, "smoke": None}
+
+
+def trainer_loop(profile: str, log: Any) -> dict[str, Any] | None:
+    """bench/trainer_loop.py in its own process: the demo's loop vs direct generation, same run."""
+    steps = TRAINER_LOOP_STEPS[profile]
+    if steps is None:
+        return None
+    log(f"trainer loop: {steps} steps of the demo's loop, then of direct generation")
+    done = subprocess.run(
+        [PY, str(BENCH / "trainer_loop.py"), "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        return {"error": (done.stdout + done.stderr)[-2000:]}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def trainer_loop_markdown(res: dict[str, Any] | None) -> list[str]:
+    if not res:
+        return []
+    if "error" in res:
+        return ["", "## Training loop", "", f"failed: {res['error'][-300:]}"]
+    ours, direct = res["ours"], res["direct"]
+    return [
+        "",
+        "## Training loop (the demo's, through the whole system) against direct generation",
+        "",
+        f"{res['steps']} steps of 128 rollouts each, same model, sampling and learner; medians over steps 2 on.",
+        "",
+        "| loop | rollouts/s | step s | generation s | update s | data path s |",
+        "|---|---|---|---|---|---|",
+        f"| lightning-grpc (engine, proxy, store, runners, trainer) | {ours['rollouts_per_second']:.1f} "
+        f"| {ours['step_seconds_median']:.2f} | {ours['generation_seconds_median']:.2f} "
+        f"| {ours['update_seconds_median']:.2f} | {ours['data_path_seconds_median']:.3f} |",
+        f"| direct generation in one process | {direct['rollouts_per_second']:.1f} "
+        f"| {direct['step_seconds_median']:.2f} | {direct['generation_seconds_median']:.2f} "
+        f"| {direct['update_seconds_median']:.2f} | - |",
+        "",
+        f"Ratio {res['rollouts_per_second_ratio']:.2f}; data path {100 * res['data_path_share']:.2f}% of a step. "
+        f"CPU seconds per step by process: {ours['cpu_seconds_per_step']}.",
+    ]
+
+
 # ------------------------------------------------------------------ LLM proxy overhead
 
 # Per profile: calls per path at 1 agent and at `concurrency` agents, and the time bound of each phase.
@@ -456,7 +506,7 @@ def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
 
 
 #: Ratios where lower is better (the worst over runs is the highest).
-LOWER_IS_BETTER = ("trainer_batch_wire_ratio",)
+LOWER_IS_BETTER = ("trainer_batch_wire_ratio", "trainer_data_path_share")
 
 
 def worst(values: list[float | None], higher_is_better: bool = True) -> float | None:
@@ -566,6 +616,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     lines += trainer_batch_markdown(runs)
+    lines += trainer_loop_markdown(report.get("trainer_loop"))
     lines += proxy_markdown(report.get("proxy_overhead"))
     return "\n".join(lines) + "\n"
 
@@ -691,6 +742,19 @@ def goals(ratios: dict[str, float | None], latency: float | None, rss: float | N
             (r["trainer_batch_speedup"] or 0) >= 20,
         ),
         goal(
+            "trainer loop rollouts/s ÷ direct generation (same model and sampling)",
+            r.get("trainer_loop_vs_direct"),
+            "≥ 0.5",
+            (r.get("trainer_loop_vs_direct") or 0) >= 0.5,
+        ),
+        goal(
+            "trainer data path (batch request to arrays) as a share of a training step",
+            r.get("trainer_data_path_share"),
+            "≤ 0.05",
+            (r.get("trainer_data_path_share") if r.get("trainer_data_path_share") is not None else 1e9)
+            <= 0.05,
+        ),
+        goal(
             "trainer_batch_wire_ratio: wire bytes ÷ int32 token payload (2,048-id vocabulary, log-probs)",
             r["trainer_batch_wire_ratio"],
             "≤ 1.2",
@@ -722,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [one_run(sizes, workdir, i + 1, log) for i in range(sizes.runs)]
         fill = rss_after_fill(sizes, workdir, log)
         proxy = proxy_overhead(profile, workdir, log)
+        loop = trainer_loop(profile, log)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     per_run = [run_ratios(run) for run in runs]
@@ -750,10 +815,14 @@ def main(argv: list[str] | None = None) -> int:
         "rss_1m_spans_sqlite_mib": rss,
         "rss_after_fill": fill,
         "proxy_overhead": proxy,
+        "trainer_loop": loop,
         "runs": runs,
         "notes": "Top-level ratios are the worst over runs (and, against the ceiling, over the unary and stream "
         "shapes); completion latency is the worst p99 of both backends and both ways of waiting.",
     }
+    if loop and "error" not in loop:
+        ratios["trainer_loop_vs_direct"] = loop["rollouts_per_second_ratio"]
+        ratios["trainer_data_path_share"] = loop["data_path_share"]
     report["goals"] = goals(ratios, latency, rss)
     write_reports(report, args.out, None if (args.no_readme or args.smoke) else ROOT / "README.md")
     log(f"wrote {args.out / 'latest.json'} and latest.md")

@@ -17,10 +17,18 @@ and "second digit" with 7, whatever the lock is called::
 Why this design (``/work/shared/reference/trainer-notes.md``, "Toy tasks"): with GRPO and a random tiny
 model, a choice that depends on the last message, or a plain preference, is learned within minutes;
 recalling or echoing a digit given in the conversation is not. Here the right digit depends only on the
-last message ("first" or "second"), and a press is rewarded as soon as it is made, so the model climbs
-in two stages (the first digit, then the second). Held-out validation locks have names, and an opening
-sentence, that training never shows; the rule they follow is the same, so the validation reward measures
-the policy rather than memorised lock names.
+last message ("first" or "second"), and a right press counts as soon as it is made.
+
+Half of the training locks arrive *half open* (``preset=1``: "The first digit is already entered. Enter
+the second digit."). Measured with :mod:`lightning_grpc.trainer.direct`: with full locks only, the second
+digit is asked only after a right first press, so the policy first learns "always 3"; its rollouts then
+all earn 0.5, every GRPO group is flat (zero advantage, zero gradient) and it stays there (lr 1e-3:
+stuck at 0.5 from step 70 on; lr 3e-4 still under 0.05 after 90 steps). With half-open locks both
+digits are rewarded from the first step and the policy learns to tell "first" from "second": validation
+reward 0 to over 0.8 in 55-75 steps at lr 3e-3. Held-out validation locks are always full (two to three
+calls), with names and an opening sentence that training never shows; the rule is the same, so the
+validation reward measures the policy rather than memorised lock names. A half-open lock can open on
+its first call; every full lock takes at least two.
 
 The pieces are pure and shared by every loop that plays the task: :func:`train_tasks` and
 :func:`val_tasks` (JSON-able task dicts), :func:`parse_digit`, :class:`Episode` (the lock's side of the

@@ -1,0 +1,150 @@
+"""The training loop against direct generation, same model, same sampling, same task, same run.
+
+    python bench/trainer_loop.py --steps 10 [--out result.json]
+
+Ours: the demo's loop (``examples/combination_lock/config.toml``) through the whole system: the engine,
+the server (Store, Trainer, proxy), a runner fleet playing the agent with the official OpenAI client, and
+the learner. The peer: ``lightning_grpc.trainer.direct``, the same episodes generated in-process with the
+same model and sampling rules and trained by the same learner. Both start from the same freshly built tiny
+model and run the same number of steps of ``batch_size`` groups x ``group_size`` rollouts, without
+validation. Reported: rollouts per second of each loop (the peer's over generation and update only), their
+ratio, and the data path (the batch request to padded arrays in the trainer, once every group has ended)
+as a share of a training step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "combination_lock" / "config.toml"
+
+
+def ours(model: Path, steps: int, out: Path) -> dict[str, Any]:
+    from lightning_grpc.trainer.experiment import load_experiment
+    from lightning_grpc.trainer.loop import run_experiment
+
+    config = load_experiment(
+        CONFIG,
+        {
+            "experiment.steps": steps,
+            "experiment.output_dir": str(out),
+            "model.path": str(model),
+            "validation.every": 0,
+            "checkpoint.every": 0,
+        },
+    )
+    config = _without_validation(config)
+    started = time.perf_counter()
+    result = run_experiment(config, progress=False)
+    wall = time.perf_counter() - started
+    rows = result.history
+    steady = rows[1:] or rows  # the first step warms everything up
+    step_s = [float(r["step_seconds"]) for r in steady]
+    data_s = [float(r["data_path_seconds"]) for r in steady]
+    rollouts = config.data.batch_size * config.data.group_size
+    return {
+        "steps": len(rows),
+        "rollouts_per_step": rollouts,
+        "rollouts_per_second": rollouts * len(steady) / sum(step_s),
+        "step_seconds_median": statistics.median(step_s),
+        "generation_seconds_median": statistics.median(float(r["generation_seconds"]) for r in steady),
+        "update_seconds_median": statistics.median(float(r["update_seconds"]) for r in steady),
+        "data_path_seconds_median": statistics.median(data_s),
+        "data_path_share": sum(data_s) / sum(step_s),
+        "cpu_seconds_per_step": {
+            name[len("cpu_") : -len("_seconds")]: statistics.median(float(r.get(name, 0.0)) for r in steady)
+            for name in rows[-1]
+            if name.startswith("cpu_")
+        },
+        "wall_seconds_with_setup": wall,
+        "reward_first_last": [float(rows[0]["reward_mean"]), float(rows[-1]["reward_mean"])],
+    }
+
+
+def _without_validation(config: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(config, agent=dataclasses.replace(config.agent, val_tasks=""))
+
+
+def peer(model: Path, steps: int) -> dict[str, Any]:
+    from lightning_grpc.examples.combination_lock import read_jsonl
+    from lightning_grpc.trainer.direct import DirectConfig, run_direct
+    from lightning_grpc.trainer.experiment import load_experiment
+
+    config = load_experiment(CONFIG)
+    direct = DirectConfig(
+        model_path=str(model),
+        seed=config.experiment.seed,
+        steps=steps,
+        tasks_per_step=config.data.batch_size,
+        group_size=config.data.group_size,
+        aggregation=config.data.aggregation,  # type: ignore[arg-type]
+        lr=config.optim.lr,
+        loss_agg_mode=config.ppo.loss_agg_mode,
+        temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
+        max_tokens=config.sampling.max_tokens,
+        eval_every=0,
+        threads=config.services.trainer_threads,
+        train_tasks=read_jsonl(config.path(config.agent.train_tasks)),
+        val_tasks=[],
+        verbose=False,
+    )
+    history = run_direct(direct)
+    steady = history.steps[1:] or history.steps
+    step_s = [float(s["step_seconds"]) for s in steady]
+    rollouts = config.data.batch_size * config.data.group_size
+    return {
+        "steps": len(history.steps),
+        "rollouts_per_second": rollouts * len(steady) / sum(step_s),
+        "step_seconds_median": statistics.median(step_s),
+        "generation_seconds_median": statistics.median(float(s["generate_seconds"]) for s in steady),
+        "update_seconds_median": statistics.median(float(s["update_seconds"]) for s in steady),
+        "reward_first_last": [float(history.steps[0]["reward"]), float(history.steps[-1]["reward"])],
+    }
+
+
+def run(steps: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="lightning-bench-trainer-") as tmp:
+        model = Path(tmp) / "model"
+        subprocess.run(
+            [sys.executable, "-m", "lightning_grpc.cli.main", "init-model", str(model)],
+            check=True,
+            capture_output=True,
+        )
+        loop = ours(model, steps, Path(tmp) / "run")
+        direct = peer(model, steps)
+    return {
+        "workload": "trainer_loop",
+        "steps": steps,
+        "ours": loop,
+        "direct": direct,
+        "rollouts_per_second_ratio": loop["rollouts_per_second"] / direct["rollouts_per_second"],
+        "data_path_share": loop["data_path_share"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    result = run(args.steps)
+    text = json.dumps(result)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
