@@ -458,7 +458,12 @@ def run_direct(config: DirectConfig, log: Callable[[str], None] | None = None) -
     for step in range(1, config.steps + 1):
         step_started = time.perf_counter()
         items = step_items(
-            train, config.tasks_per_step, config.group_size, seed=config.seed, name=config.name, tag=f"s{step}"
+            train,
+            config.tasks_per_step,
+            config.group_size,
+            seed=config.seed,
+            name=config.name,
+            tag=f"s{step}",
         )
         played, timing = play_rollouts(generator, items, sampling)
         generated = time.perf_counter()
