@@ -97,7 +97,7 @@ def peer(model: Path, steps: int) -> dict[str, Any]:
         eval_every=0,
         threads=config.services.trainer_threads,
         train_tasks=read_jsonl(config.path(config.agent.train_tasks)),
-        val_tasks=[],
+        val_tasks=read_jsonl(config.path(config.agent.val_tasks)),  # evaluated before and after only
         verbose=False,
     )
     history = run_direct(direct)

@@ -11,9 +11,11 @@ from typing import Any
 
 import numpy as np
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
+from google.protobuf.message import DecodeError
 
 from lightning_grpc import types as t
 from lightning_grpc.errors import InvalidArgumentError
+from lightning_grpc.store.state import SpanRecord
 from lightning_grpc.trainer.core import TrainingEvent
 from lightning_grpc.trainer.options import BatchOptions
 from lightning_grpc.v1 import (
@@ -450,6 +452,38 @@ def span_from_pb(m: span_pb2.Span, numpy_arrays: bool = False) -> t.Span:
         links=[t.SpanLink(k.trace_id, k.span_id, attributes_from_pb(k.attributes)) for k in m.links],
         resource=attributes_from_pb(m.resource),
     )
+
+
+# ------------------------------------------------------------------ spans as the store keeps them
+
+
+def span_records(spans: Any) -> list[SpanRecord]:
+    """Serialized spans as store records, each parsed in full so that only readable spans are stored.
+
+    The stored body is the span exactly as received; its ids come from the parsed message.
+    """
+    parse = span_pb2.Span.FromString
+    records = []
+    for i, body in enumerate(spans):
+        try:
+            s = parse(body)
+        except DecodeError:
+            raise InvalidArgumentError(f"spans[{i}]", "is not a valid lightning.v1.Span") from None
+        records.append(
+            SpanRecord(
+                s.rollout_id,
+                s.attempt_id,
+                s.span_id,
+                s.trace_id,
+                s.parent_span_id,
+                s.name,
+                s.start_time_unix_nano,
+                s.end_time_unix_nano,
+                body,
+                s.sequence_id,
+            )
+        )
+    return records
 
 
 # ------------------------------------------------------------------ wire format

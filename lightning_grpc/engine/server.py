@@ -502,7 +502,7 @@ class EngineServer:
         finally:
             watcher.cancel()
             job.sub.cancel()
-            log.info(
+            log.debug(  # one line per request: an access log, shown with --log-level DEBUG
                 "event=request_finished request_id=%s endpoint=%s stream=%s choices=%d prompt_tokens=%d "
                 "completion_tokens=%d finish=%s outcome=%s policy_version=%d seconds=%.3f",
                 job.request_id,

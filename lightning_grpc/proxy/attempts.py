@@ -11,6 +11,7 @@ import logging
 from collections import OrderedDict
 
 from lightning_grpc.client import StoreClient
+from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.errors import LightningError, NotFoundError, UnavailableError
 from lightning_grpc.types import RolloutMode
 
@@ -29,7 +30,7 @@ class Refused(Exception):
 
 
 class AttemptGate:
-    def __init__(self, client: StoreClient, *, mode_cache_size: int = 10_000) -> None:
+    def __init__(self, client: StoreClient | LocalStoreClient, *, mode_cache_size: int = 10_000) -> None:
         self.client = client
         self._modes: OrderedDict[str, RolloutMode] = OrderedDict()
         self._cache_size = mode_cache_size

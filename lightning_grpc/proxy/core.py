@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from lightning_grpc.client import ClientConfig, StoreClient
+from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from lightning_grpc.types import LLM, Attempt, ProxyLLM
 
@@ -80,7 +81,7 @@ class LLMProxy:
         self.refused_calls = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self.store: StoreClient | None = None
+        self.store: StoreClient | LocalStoreClient | None = None
         self.recorder: SpanRecorder | None = None
         self.gate: AttemptGate | None = None
         retry = RetryPolicy(retries=config.retries)
@@ -92,12 +93,13 @@ class LLMProxy:
         self.port = 0
 
     # ------------------------------------------------------------ life cycle
-    async def start(self, store: str | ClientConfig | None = None) -> LLMProxy:
-        """Connect to the Store (``store`` overrides the configured one) and listen for HTTP."""
+    async def start(self, store: str | ClientConfig | LocalStoreClient | None = None) -> LLMProxy:
+        """Connect to the Store (``store`` overrides the configured one; a :class:`LocalStoreClient` for a
+        Store in this process) and listen for HTTP."""
         from .http import build_app
 
         target = store if store is not None else self.config.store
-        self.store = StoreClient(target)
+        self.store = target if isinstance(target, LocalStoreClient) else StoreClient(target)
         self.recorder = SpanRecorder(self.store).start()
         self.gate = AttemptGate(self.store)
         self._runner = web.AppRunner(
@@ -115,7 +117,7 @@ class LLMProxy:
             "event=proxy_started http_address=%s backends=%d store=%s",
             self.base_url,
             len(self.table.backends),
-            target if isinstance(target, str) else target.target,
+            target if isinstance(target, str) else getattr(target, "target", "in-process"),
         )
         return self
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from lightning_grpc import semconv
 from lightning_grpc.client import StoreClient
+from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.errors import (
     DeadlineExceededError,
     LightningError,
@@ -54,7 +55,7 @@ class _Item:
 class SpanRecorder:
     def __init__(
         self,
-        client: StoreClient,
+        client: StoreClient | LocalStoreClient,
         *,
         max_batch: int = 1000,
         max_batch_bytes: int = 8 * 1024 * 1024,

@@ -15,8 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from lightning_grpc.client import ClientConfig
-from lightning_grpc.client.config import TlsConfig
+from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
 from lightning_grpc.server.auth import BearerTokenInterceptor
 
@@ -73,17 +72,6 @@ async def start_proxy_server(
     return RunningProxy(proxy, server, health, port, grpc_host)
 
 
-def _store_client_config(server: ServerConfig, port: int) -> ClientConfig:
-    """How a proxy hosted by ``serve`` reaches the Store it sits next to."""
-    host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
-    tls = None
-    if server.tls is not None:
-        if server.tls.client_ca is not None:
-            raise OSError("a proxy inside serve cannot reach a Store that requires client certificates")
-        tls = TlsConfig(root_certificates=server.tls.cert_chain.read_bytes())
-    return ClientConfig(target=f"{host}:{port}", token=server.token, tls=tls)
-
-
 async def start_with_store(
     server_config: ServerConfig, proxy_config: ProxyConfig
 ) -> tuple[RunningServer, LLMProxy]:
@@ -94,7 +82,7 @@ async def start_with_store(
     )
     running = await start_server(config)
     try:
-        await proxy.start(_store_client_config(config, running.port))
+        await proxy.start(LocalStoreClient(running.store))  # the Store is in this process: no gRPC hop
     except BaseException:
         await running.stop()
         raise

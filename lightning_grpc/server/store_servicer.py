@@ -6,12 +6,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from lightning_grpc import convert
 from lightning_grpc.errors import InvalidArgumentError, LightningError
-from lightning_grpc.store import SpanRecord, SpanSelection, Store
-from lightning_grpc.v1 import span_pb2
+from lightning_grpc.store import SpanSelection, Store
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
@@ -19,35 +17,6 @@ from . import wire
 from .adapter import ServicerState, Undecodable, register_service, streaming, unary
 
 Ctx = grpc.aio.ServicerContext
-
-
-def span_records(spans: Any) -> list[SpanRecord]:
-    """Serialized spans as store records, each parsed in full so that only readable spans are stored.
-
-    The stored body is the span exactly as received; its ids come from the parsed message.
-    """
-    parse = span_pb2.Span.FromString
-    records = []
-    for i, body in enumerate(spans):
-        try:
-            s = parse(body)
-        except DecodeError:
-            raise InvalidArgumentError(f"spans[{i}]", "is not a valid lightning.v1.Span") from None
-        records.append(
-            SpanRecord(
-                s.rollout_id,
-                s.attempt_id,
-                s.span_id,
-                s.trace_id,
-                s.parent_span_id,
-                s.name,
-                s.start_time_unix_nano,
-                s.end_time_unix_nano,
-                body,
-                s.sequence_id,
-            )
-        )
-    return records
 
 
 def _selection(sel: pb.SpanSelector) -> SpanSelection:
@@ -237,7 +206,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             request.status,
             request.message,
             convert.struct_to_dict(request.metadata) if request.HasField("metadata") else None,
-            span_records([s.SerializeToString() for s in request.spans]) if request.spans else None,
+            convert.span_records([s.SerializeToString() for s in request.spans]) if request.spans else None,
         )
         resp = pb.CompleteAttemptResponse()
         convert.attempt_to_pb(attempt, resp.attempt)
@@ -252,7 +221,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def AddSpans(self, request: Any, context: Ctx) -> pb.AddSpansResponse:
         """``request`` is a wire.AddSpansRequestRaw: the spans stay serialized."""
         result = await self.store.add_spans(
-            span_records(request.spans), request.rollout_id, request.attempt_id
+            convert.span_records(request.spans), request.rollout_id, request.attempt_id
         )
         return pb.AddSpansResponse(
             sequence_ids=result.sequence_ids,
@@ -270,7 +239,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
                 raise batch.error()
             try:
                 result = await self.store.add_spans(
-                    span_records(batch.spans), batch.rollout_id, batch.attempt_id
+                    convert.span_records(batch.spans), batch.rollout_id, batch.attempt_id
                 )
             except LightningError as exc:
                 if exc.code_name == "UNAVAILABLE":
@@ -468,4 +437,4 @@ def add_store_service(servicer: StoreServicer, server: grpc.aio.Server) -> None:
     )
 
 
-__all__ = ["StoreServicer", "add_store_service", "span_records"]
+__all__ = ["StoreServicer", "add_store_service"]

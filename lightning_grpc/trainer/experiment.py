@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -129,7 +130,7 @@ class ExperimentConfig:
     def path(self, value: str) -> Path:
         """A path of the config, relative to the config file's directory."""
         p = Path(value).expanduser()
-        return p if p.is_absolute() else Path(self.base_dir) / p
+        return p if p.is_absolute() else Path(os.path.normpath(Path(self.base_dir) / p))
 
     @property
     def output_dir(self) -> Path:
