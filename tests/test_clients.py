@@ -613,6 +613,7 @@ async def test_lgrpcurl_lists_and_describes(store: RunningServer) -> None:
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
         "lightning.v1.StoreService",
+        "lightning.v1.TrainerService",
         "opentelemetry.proto.collector.trace.v1.TraceService",
     ], services
     assert methods.stdout.split() == [f"lightning.v1.StoreService/{m.name}" for m in STORE.methods]

@@ -334,3 +334,15 @@ def test_direct_training_improves_the_validation_reward(tiny_model: Path) -> Non
     summary = summarize(history)
     assert summary["steps"] == 20 and summary["rollouts_per_second_loop"] > 0
     assert history.steps[-1]["reward"] > history.steps[0]["reward"]
+
+
+def test_a_lock_that_moves_on_asks_each_digit_once_in_exactly_two_calls() -> None:
+    [task] = lock.moving_on([lock.train_tasks(half_open=False)[0]])
+    assert task["prompt"] == lock.train_tasks(half_open=False)[0]["prompt"] and task["max_presses"] == 2
+    wrong_then_right = lock.play(task, ["5", "7", "3"])
+    assert [p.right for p in wrong_then_right.presses] == [False, True]  # the third reply is never asked for
+    assert wrong_then_right.reward == 0.5 and wrong_then_right.done and not wrong_then_right.opened
+    assert wrong_then_right.messages[2]["content"] == "Wrong. Enter the second digit."
+    opened = lock.play(task, ["3", "7"])
+    assert opened.reward == 1.0 and opened.opened and len(opened.presses) == 2
+    assert lock.play(task, ["no digit", "x"]).reward == 0.0

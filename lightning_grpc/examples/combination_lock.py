@@ -30,6 +30,11 @@ calls), with names and an opening sentence that training never shows; the rule i
 validation reward measures the policy rather than memorised lock names. A half-open lock can open on
 its first call; every full lock takes at least two.
 
+The demo (``examples/combination_lock/``) plays the variant where a wrong digit moves the lock on too
+(:func:`moving_on`): the agent enters digit 1, hears "Click." or "Wrong.", enters digit 2 -- always two
+calls, reward = right digits / 2. Both digits are asked in every rollout, so no half-open locks are needed
+to keep the second digit from being starved.
+
 The pieces are pure and shared by every loop that plays the task: :func:`train_tasks` and
 :func:`val_tasks` (JSON-able task dicts), :func:`parse_digit`, :class:`Episode` (the lock's side of the
 conversation and the reward), :func:`call_seed` (a per-call sampling seed from the rollout id), the
@@ -102,7 +107,14 @@ _DIGIT = re.compile(r"[0-9]")
 
 # ================================================================ tasks
 def make_task(
-    task_id: str, lock: str, opening: str, *, code: str = CODE, split: str = "train", preset: int = 0
+    task_id: str,
+    lock: str,
+    opening: str,
+    *,
+    code: str = CODE,
+    split: str = "train",
+    preset: int = 0,
+    moves_on: bool = False,
 ) -> dict[str, Any]:
     """One task: the lock's name, the first message the agent sees, and the code (hidden from the agent).
 
@@ -126,8 +138,29 @@ def make_task(
         "prompt": f"{opening.format(lock=lock)}{already} {ask(preset)}",
         "code": code,
         "preset": preset,
-        "max_presses": MAX_PRESSES,
+        "max_presses": len(code) - preset if moves_on else MAX_PRESSES,
+        "moves_on": moves_on,
     }
+
+
+def moving_on(tasks: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The same locks where a wrong digit moves the lock on too: the agent enters digit 1, hears "Click." or
+    "Wrong.", enters digit 2; always two calls, reward = right digits / 2. The demo plays these: both digits
+    are asked in every rollout, so the second is learned alongside the first (no half-open locks needed)."""
+    out = []
+    for task in tasks:
+        moved = make_task(
+            str(task["task_id"]),
+            str(task["lock"]),
+            "{lock}",  # replaced below: keep the task's own opening sentence
+            code=str(task["code"]),
+            split=str(task["split"]),
+            preset=int(task.get("preset", 0)),
+            moves_on=True,
+        )
+        moved["prompt"] = task["prompt"]
+        out.append(moved)
+    return out
 
 
 def train_tasks(*, half_open: bool = True) -> list[dict[str, Any]]:
@@ -205,9 +238,12 @@ class Episode:
     messages: list[dict[str, str]] = field(default_factory=list)
     presses: list[Press] = field(default_factory=list)
     unlocked: int = 0
+    #: The digit the lock asks for next (0-based).
+    position: int = 0
 
     def __post_init__(self) -> None:
         self.unlocked = max(self.unlocked, int(self.task.get("preset", 0)))
+        self.position = max(self.position, self.unlocked)
         if not self.messages:
             self.messages = [{"role": "user", "content": str(self.task["prompt"])}]
 
@@ -225,7 +261,12 @@ class Episode:
 
     @property
     def done(self) -> bool:
-        return self.opened or len(self.presses) >= self.max_presses
+        return self.opened or len(self.presses) >= self.max_presses or self.position >= len(self.code)
+
+    @property
+    def moves_on(self) -> bool:
+        """A wrong digit moves the lock on to the next one too (every digit is asked exactly once)."""
+        return bool(self.task.get("moves_on", False))
 
     @property
     def reward(self) -> float:
@@ -241,14 +282,16 @@ class Episode:
         if self.done:
             raise RuntimeError("the episode is over")
         digit = parse_digit(text)
-        right = digit is not None and digit == self.code[self.unlocked]
+        right = digit is not None and digit == self.code[self.position]
         self.presses.append(Press(text, digit, right))
         self.messages.append({"role": "assistant", "content": text})
         if right:
             self.unlocked += 1
+        if right or self.moves_on:
+            self.position += 1
         if self.done:
             return None
-        reply = f"{CLICK if right else WRONG} {ask(self.unlocked)}"
+        reply = f"{CLICK if right else WRONG} {ask(self.position)}"
         self.messages.append({"role": "user", "content": reply})
         return reply
 
