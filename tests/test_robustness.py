@@ -1708,6 +1708,12 @@ class StoreFuzzer(RuleBasedStateMachine):
         )
         if problem is None and not 0 <= count <= 1_000_000:
             problem = INVALID
+        if (
+            problem is None
+            and aid in self.h.attempts
+            and self.h.attempts[aid].floor + 1 + max(1, count) > 2**62
+        ):
+            problem = EXHAUSTED  # a client numbered a span 2**62: the attempt's ids are used up
         request = pb.GetNextSpanSequenceIdRequest(rollout_id=rid, attempt_id=aid, count=count)
         reply = self.h.call("GetNextSpanSequenceId", request, {problem} if problem else {OK})
         if reply.ok:
