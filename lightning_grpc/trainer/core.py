@@ -268,18 +268,20 @@ class TrainerCore:
         status = self._statuses(open_groups)
         return [g for g in open_groups if has_ended(g, status)]
 
-    def _mark_carried_over(self, mode: RolloutMode) -> int:
+    def _running_groups(self, mode: RolloutMode) -> list[Group]:
+        """Groups of ``mode`` not taken by a batch with a sibling still running."""
         open_groups = [g for g in self.book.of_mode(mode) if not g.batch_id]
         status = self._statuses(open_groups)
-        running = [g for g in open_groups if not has_ended(g, status)]
+        return [g for g in open_groups if not has_ended(g, status)]
+
+    def _mark_carried_over(self, mode: RolloutMode) -> int:
+        running = self._running_groups(mode)
         for group in running:
             group.carried_over = True
         return len(running)
 
     def _carried_over(self, mode: RolloutMode) -> int:
-        open_groups = [g for g in self.book.of_mode(mode) if not g.batch_id]
-        status = self._statuses(open_groups)
-        return sum(1 for g in open_groups if not has_ended(g, status))
+        return len(self._running_groups(mode))
 
     # ------------------------------------------------------------ steps
     async def report_step(
