@@ -21,6 +21,7 @@ from lightning_grpc.client import StoreClient, SyncTrainerClient, TrainerClient
 from lightning_grpc.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from lightning_grpc.server.app import RunningServer
 from lightning_grpc.trainer import BatchOptions, GroupSample
+from lightning_grpc.trainer.tensors import PARALLEL_PAD_POSITIONS, PackRow, pack, pad
 from lightning_grpc.types import Span
 from lightning_grpc.v1 import trainer_service_pb2 as pb
 from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
@@ -81,7 +82,6 @@ def gid(name: str) -> str:
 
 # ================================================================= padding, element by element
 def test_padding_masks_positions_and_reward_placement_element_by_element() -> None:
-    from lightning_grpc.trainer.tensors import PackRow, pack, pad
 
     rows = [
         PackRow(
@@ -136,8 +136,39 @@ def test_padding_masks_positions_and_reward_placement_element_by_element() -> No
     np.testing.assert_array_equal(wide["position_ids"][1], [0, 0, 0, 0, 1, 2, 3, 4, 4])
 
 
+def test_a_large_batch_padded_by_two_threads_equals_each_row_padded_alone() -> None:
+    rng = np.random.default_rng(7)
+    rows = []
+    for i in range(160):
+        n = int(rng.integers(0, 700))
+        rows.append(
+            PackRow(
+                rng.integers(0, 50_000, int(rng.integers(1, 900))),
+                rng.integers(0, 50_000, n),
+                (rng.random(n) < 0.8).astype(np.uint8),
+                rng.random(n) if i % 3 else None,
+                float(rng.random()),
+                1.0,
+                i // 4,
+                turn_index=i % 4,
+            )
+        )
+    ragged = pack(rows)
+    whole = pad(ragged, pad_token_id=7)
+    b, width = whole["input_ids"].shape
+    assert b * width >= PARALLEL_PAD_POSITIONS  # the two-thread path
+    width_r = whole["responses"].shape[1]
+    for i in range(b):
+        alone = pad(
+            ragged.row_slice(i, i + 1), pad_token_id=7, prompt_length=width - width_r, response_length=width_r
+        )
+        for name in ("input_ids", "attention_mask", "position_ids", "response_mask", "token_level_scores"):
+            np.testing.assert_array_equal(whole[name][i], alone[name][0], err_msg=f"{name} of row {i}")
+        np.testing.assert_array_equal(whole["rollout_log_probs"][i], alone["rollout_log_probs"][0])
+    np.testing.assert_array_equal(whole["turn_index"], [i % 4 for i in range(160)])
+
+
 def test_large_vocabularies_travel_as_int32() -> None:
-    from lightning_grpc.trainer.tensors import PackRow, pack, pad
 
     ragged = pack([PackRow(np.array([151_000]), np.array([70_000, 5]), np.array([1, 1]), None, 1.0, 1.0, 0)])
     assert ragged.token_ids.dtype == np.int32 and ragged.rollout_log_probs is None
@@ -294,6 +325,18 @@ async def test_a_batch_larger_than_a_chunk_streams_in_chunks(
     for name, array in whole.arrays.items():
         np.testing.assert_array_equal(batch.arrays[name], array)
     np.testing.assert_array_equal(batch.arrays["prompts"][5], long)
+    # row descriptions travel column by column, each chunk with the calls of its own rows
+    for m in messages:
+        calls = int(convert.tensor_from_pb(m.tensors["calls_per_row"]).sum())
+        assert (
+            len(m.call_span_ids)
+            == len(m.call_policy_versions)
+            == calls
+            == len(m.tensors["calls_per_row"].data) // 4
+        )
+    assert batch.rows == whole.rows and [r.rollout_index for r in batch.rows] == list(range(6))
+    assert len({r.call_span_ids[0] for r in batch.rows}) == 6
+    assert all(len(r.call_span_ids) == 1 and r.policy_versions == [0] for r in batch.rows)
 
 
 async def test_padded_layout_equals_the_clients_padding(trainer: TrainerClient, client: StoreClient) -> None:

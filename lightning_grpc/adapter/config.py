@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 AGGREGATIONS = ("transition", "trajectory")
 REWARD_MATCHES = ("final", "first_occurrence", "first_sibling")
@@ -44,6 +44,13 @@ class AdapterConfig:
             )
         if self.agent_match is not None:
             compile_agent_match(self.agent_match)
+
+    def __hash__(self) -> int:  # computed once: configs key the trainer's per-rollout caches
+        found: int | None = self.__dict__.get("_hash")
+        if found is None:
+            found = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", found)
+        return found
 
 
 def check_aggregation(aggregation: str) -> None:

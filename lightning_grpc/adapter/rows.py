@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -28,7 +29,7 @@ class Row:
     policy_versions: list[int]
     finish_reason: str  # of its last call
 
-    @property
+    @cached_property
     def trainable_tokens(self) -> int:
         return int(np.count_nonzero(self.response_mask))
 

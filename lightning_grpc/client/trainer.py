@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import grpc
@@ -15,6 +16,7 @@ from lightning_grpc import convert
 from lightning_grpc import types as t
 from lightning_grpc.adapter import Drop, Triplet
 from lightning_grpc.trainer import BatchOptions, BatchRollout, GroupSample, Layout, RowInfo, TrainingEvent
+from lightning_grpc.trainer.batches import row_infos
 from lightning_grpc.trainer.core import GroupCounts, TrainerStatus
 from lightning_grpc.trainer.tensors import INDEX_ARRAYS, Ragged, concat, pad
 from lightning_grpc.v1 import trainer_service_pb2 as pb
@@ -44,7 +46,6 @@ class TrainingBatch:
     batch_id: str
     group_ids: list[str]
     rollouts: list[BatchRollout]
-    rows: list[RowInfo]
     arrays: dict[str, np.ndarray]
     drops: dict[str, int]
     carried_over_groups: int
@@ -55,14 +56,22 @@ class TrainingBatch:
     uid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
     rollout_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
     messages: Sequence[pb.GetBatchResponse] = ()
+    #: The span id and policy version of every call of every row, row after row.
+    call_span_ids: list[str] = field(default_factory=list)
+    call_policy_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def wire_bytes(self) -> int:
         """Bytes of the messages received for this batch."""
         return sum(m.ByteSize() for m in self.messages)
 
+    @cached_property
+    def rows(self) -> list[RowInfo]:
+        """Each row's rollout index, turn index, calls (span ids and policy versions), truncated and filled."""
+        return row_infos(self.arrays, self.call_span_ids, self.call_policy_versions.tolist())
+
     def __len__(self) -> int:
-        return len(self.rows)
+        return int(self.arrays["rollout_index"].shape[0])
 
     def tensors(self, device: Any = None) -> dict[str, Any]:
         """The arrays as torch tensors; on the CPU they share the arrays' memory (no copy)."""
@@ -107,18 +116,6 @@ def _triplet(m: pb.Triplet) -> Triplet:
         agent_name=m.agent_name,
         finish_reason=m.finish_reason,
         streamed=m.streamed,
-    )
-
-
-def _row_info(m: pb.BatchRow) -> RowInfo:
-    return RowInfo(
-        rollout_index=m.rollout_index,
-        turn_index=m.turn_index,
-        policy_versions=list(m.policy_versions),
-        truncated=m.truncated,
-        filled=m.filled,
-        has_log_probs=m.has_log_probs,
-        call_span_ids=list(m.call_span_ids),
     )
 
 
@@ -305,7 +302,6 @@ def batch_from_messages(messages: Sequence[pb.GetBatchResponse]) -> TrainingBatc
     header = messages[0].header
     if len(messages) != header.chunk_count:
         raise ValueError(f"the batch stream ended after {len(messages)} of {header.chunk_count} chunks")
-    rows = [_row_info(r) for m in messages for r in m.rows]
     chunks = [
         {name: convert.tensor_from_pb(tensor, f"tensors[{name!r}]") for name, tensor in m.tensors.items()}
         for m in messages
@@ -324,12 +320,11 @@ def batch_from_messages(messages: Sequence[pb.GetBatchResponse]) -> TrainingBatc
         )
         for r in header.rollouts
     ]
-    index = arrays["rollout_index"].astype(np.int64)
+    index = arrays["rollout_index"]
     return TrainingBatch(
         batch_id=header.batch_id,
         group_ids=list(header.group_ids),
         rollouts=rollouts,
-        rows=rows,
         arrays=arrays,
         drops={d.reason: d.count for d in header.drops},
         carried_over_groups=header.carried_over_groups,
@@ -337,6 +332,12 @@ def batch_from_messages(messages: Sequence[pb.GetBatchResponse]) -> TrainingBatc
         trajectory_breaks=header.trajectory_breaks,
         messages=messages,
         ragged=ragged,
+        call_span_ids=[s for m in messages for s in m.call_span_ids],
+        call_policy_versions=np.fromiter(
+            (v for m in messages for v in m.call_policy_versions),
+            dtype=np.int64,
+            count=sum(len(m.call_policy_versions) for m in messages),
+        ),
         uid=np.array([r.group_id for r in rollouts], dtype=object)[index]
         if rollouts
         else np.zeros(0, object),

@@ -10,7 +10,7 @@ import numpy as np
 
 from lightning_grpc import convert
 from lightning_grpc.store import SpanSelection, Store
-from lightning_grpc.trainer import BatchOptions, BuiltBatch, GroupSample, Layout, RowInfo, TrainerCore, pad
+from lightning_grpc.trainer import BatchOptions, BuiltBatch, GroupSample, Layout, TrainerCore, pad
 from lightning_grpc.trainer.batches import SpanReader
 from lightning_grpc.trainer.tensors import chunk_bounds, row_bytes
 from lightning_grpc.types import RolloutMode, Span
@@ -58,16 +58,6 @@ def _counts(counter: Mapping[str, int], out: Any) -> None:
         out.add(reason=reason, count=count)
 
 
-def _row_pb(info: RowInfo, out: pb.BatchRow) -> None:
-    out.rollout_index = info.rollout_index
-    out.turn_index = info.turn_index
-    out.policy_versions.extend(info.policy_versions)
-    out.truncated = info.truncated
-    out.filled = info.filled
-    out.has_log_probs = info.has_log_probs
-    out.call_span_ids.extend(info.call_span_ids)
-
-
 def batch_messages(
     batch: BuiltBatch, *, carried_over: int, closed_by_deadline: bool, options: BatchOptions
 ) -> list[pb.GetBatchResponse]:
@@ -83,7 +73,7 @@ def batch_messages(
     header = pb.BatchHeader(
         batch_id=batch.batch_id,
         group_ids=batch.group_ids,
-        row_count=len(batch.rows),
+        row_count=batch.row_count,
         carried_over_groups=carried_over,
         closed_by_deadline=closed_by_deadline,
         trajectory_breaks=batch.trajectory_breaks,
@@ -104,13 +94,16 @@ def batch_messages(
             row_count=r.row_count,
         )
     _counts(batch.drops, header.drops)
+    calls = np.concatenate(([0], np.cumsum(ragged.calls_per_row, dtype=np.int64))).tolist()
     messages = []
     for i, (start, stop) in enumerate(bounds):
-        msg = pb.GetBatchResponse(row_offset=start)
+        msg = pb.GetBatchResponse(
+            row_offset=start,
+            call_span_ids=batch.call_span_ids[calls[start] : calls[stop]],
+            call_policy_versions=batch.call_policy_versions[calls[start] : calls[stop]],
+        )
         if i == 0:
             msg.header.CopyFrom(header)
-        for info in batch.rows[start:stop]:
-            _row_pb(info, msg.rows.add())
         part = ragged.row_slice(start, stop)
         arrays = part.arrays()
         if layout == Layout.PADDED:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import numpy as np
 
 from lightning_grpc.adapter import (
     AdapterConfig,
@@ -21,7 +23,7 @@ from lightning_grpc.types import AttemptStatus, Rollout, RolloutStatus, Span
 
 from .groups import Group
 from .options import BatchOptions, FailurePolicy, PromptOverflow
-from .tensors import PackRow, Ragged, pack
+from .tensors import Ragged, RaggedBuilder, pack
 
 T = TypeVar("T")
 #: Reads the spans of one attempt: (rollout id, attempt id) -> spans in sequence order.
@@ -66,15 +68,50 @@ class RowInfo:
     call_span_ids: list[str]
 
 
+def row_infos(
+    arrays: Mapping[str, np.ndarray], call_span_ids: Sequence[str], call_policy_versions: Sequence[int]
+) -> list[RowInfo]:
+    """Each row's description, from a batch's per-row arrays and its per-call columns (row after row)."""
+    out: list[RowInfo] = []
+    at = 0
+    names = ("rollout_index", "turn_index", "calls_per_row", "truncated", "filled", "has_rollout_log_probs")
+    columns = zip(*(arrays[name].tolist() for name in names), strict=True)
+    versions = [int(v) for v in call_policy_versions]
+    for rollout_index, turn_index, calls, truncated, filled, has_lp in columns:
+        out.append(
+            RowInfo(
+                rollout_index,
+                turn_index,
+                versions[at : at + calls],
+                truncated,
+                filled,
+                has_lp,
+                list(call_span_ids[at : at + calls]),
+            )
+        )
+        at += calls
+    return out
+
+
 @dataclass
 class BuiltBatch:
     batch_id: str
     group_ids: list[str]
     rollouts: list[BatchRollout]
-    rows: list[RowInfo]
     ragged: Ragged
     drops: Counter[str] = field(default_factory=Counter)
     trajectory_breaks: int = 0
+    #: The span id and policy version of every call of every row, row after row (``calls_per_row`` apart).
+    call_span_ids: list[str] = field(default_factory=list)
+    call_policy_versions: list[int] = field(default_factory=list)
+
+    @property
+    def row_count(self) -> int:
+        return self.ragged.rows
+
+    @property
+    def rows(self) -> list[RowInfo]:
+        return row_infos(self.ragged.arrays(), self.call_span_ids, self.call_policy_versions)
 
 
 def failure_of(rollout: Rollout, reward: float | None) -> str:
@@ -171,7 +208,7 @@ def fresh_rows(
 def fit_to_limits(row: Row, options: BatchOptions, drops: Counter[str]) -> tuple[Row | None, bool]:
     """The row within the length limits: (row or None when it is left out, truncated)."""
     if not (options.max_prompt_length or options.max_response_length):
-        if row.response_mask.any():
+        if row.trainable_tokens:
             return row, False
         drops[ZERO_TRAINABLE_TOKENS] += 1
         return None, False
@@ -194,7 +231,7 @@ def fit_to_limits(row: Row, options: BatchOptions, drops: Counter[str]) -> tuple
         )
         drops[TRUNCATED_RESPONSE] += 1
         truncated = True
-    if not row.response_mask.any():
+    if not row.trainable_tokens:
         drops[ZERO_TRAINABLE_TOKENS] += 1
         return None, truncated
     return row, truncated
@@ -215,8 +252,8 @@ async def build_batch(
 ) -> BuiltBatch:
     """The batch of these (ended) groups."""
     drops: Counter[str] = Counter()
-    out = BuiltBatch(batch_id, [], [], [], pack([]), drops)
-    pack_rows: list[PackRow] = []
+    out = BuiltBatch(batch_id, [], [], pack([]), drops)
+    builder = RaggedBuilder(include_log_probs=not options.exclude_log_probs)
     for group in groups:
         members = [rollouts[rid] for rid in group.rollout_ids if rid in rollouts]
         evaluated = [await evaluate(r, prepared, options) for r in members]
@@ -231,20 +268,21 @@ async def build_batch(
             if ev.failure and options.failure_policy == FailurePolicy.DROP_ROLLOUT:
                 drops[ROLLOUT_DROPPED] += 1
                 continue
-            _add_rollout(out, pack_rows, ev, group, options, prepared)
-    out.ragged = pack(pack_rows, include_log_probs=not options.exclude_log_probs)
+            _add_rollout(out, builder, ev, group, options, prepared)
+    out.ragged = builder.build()
     return out
 
 
 def _add_rollout(
     out: BuiltBatch,
-    pack_rows: list[PackRow],
+    builder: RaggedBuilder,
     ev: _Evaluated,
     group: Group,
     options: BatchOptions,
     prepared: PreparedRollouts,
 ) -> None:
-    _count_adapter_drops(ev, out.drops)
+    if ev.triplets.drops:
+        _count_adapter_drops(ev, out.drops)
     filled = bool(ev.failure)
     if filled:
         out.drops[ROLLOUT_FILLED] += 1
@@ -272,22 +310,23 @@ def _add_rollout(
             len(kept),
         )
     )
+    last = len(kept) - 1
     for position, (row, truncated) in enumerate(kept):
         score = row.reward
         if filled:  # the stated value, at the rollout's last row, as a final reward would be
-            score = options.fill_reward if position == len(kept) - 1 else 0.0
-        has_lp = row.logprobs is not None and not options.exclude_log_probs
-        out.rows.append(
-            RowInfo(
-                index,
-                row.turn_index,
-                list(row.policy_versions),
-                truncated,
-                filled,
-                has_lp,
-                list(row.call_span_ids),
-            )
+            score = options.fill_reward if position == last else 0.0
+        builder.add(
+            row.prompt_ids,
+            row.response_ids,
+            row.response_mask,
+            row.logprobs,
+            score=score,
+            rollout_reward=reward,
+            rollout_index=index,
+            turn_index=row.turn_index,
+            truncated=truncated,
+            filled=filled,
+            calls=len(row.call_span_ids),
         )
-        pack_rows.append(
-            PackRow(row.prompt_ids, row.response_ids, row.response_mask, row.logprobs, score, reward, index)
-        )
+        out.call_span_ids += row.call_span_ids
+        out.call_policy_versions += row.policy_versions

@@ -239,13 +239,13 @@ class TrainerCore:
             raise
         result = await self._built(batch_id, chosen, options, carried=carried, short=len(chosen) < min_groups)
         self.batches += 1
-        self.rows += len(result.batch.rows)
+        self.rows += result.batch.row_count
         self.drops.update(result.batch.drops)
         log.info(
             "event=batch_built batch_id=%s groups=%d rows=%d carried_over=%d closed_by_deadline=%s",
             batch_id,
             len(chosen),
-            len(result.batch.rows),
+            result.batch.row_count,
             carried,
             result.closed_by_deadline,
         )

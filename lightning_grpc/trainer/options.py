@@ -130,10 +130,22 @@ class BatchOptions:
 
     @functools.cached_property
     def adapter_config(self) -> AdapterConfig:
-        return AdapterConfig(
-            aggregation=self.aggregation.name.lower(),
-            reward_match=self.reward_match.name.lower(),
-            reward_dimension=self.reward_dimension or None,
-            agent_match=self.agent_match or None,
-            exclude_calls_under_reward=not self.include_calls_under_reward,
+        return _adapter_config(
+            self.aggregation.name.lower(),
+            self.reward_match.name.lower(),
+            self.reward_dimension or None,
+            self.agent_match or None,
+            not self.include_calls_under_reward,
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter_config(
+    aggregation: str,
+    reward_match: str,
+    reward_dimension: str | None,
+    agent_match: str | None,
+    exclude_calls_under_reward: bool,
+) -> AdapterConfig:
+    """One shared object per distinct choice, so cache lookups keyed by it find it by identity."""
+    return AdapterConfig(aggregation, reward_match, reward_dimension, agent_match, exclude_calls_under_reward)

@@ -11,6 +11,7 @@ response token, rollout_log_probs) with vectorised numpy: no loop over tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -24,6 +25,10 @@ ROW_ARRAYS = (
     "rollout_index",
     "rows_per_rollout",
     "has_rollout_log_probs",
+    "turn_index",
+    "truncated",
+    "filled",
+    "calls_per_row",
 )
 
 
@@ -49,6 +54,10 @@ class Ragged:
     rollout_index: np.ndarray  # [B] int32: index of the row's rollout in the batch
     rows_per_rollout: np.ndarray  # [B] int32
     has_rollout_log_probs: np.ndarray  # [B] bool
+    turn_index: np.ndarray  # [B] int32: call index of the row's first call in its rollout
+    truncated: np.ndarray  # [B] bool: cut to the length limits
+    filled: np.ndarray  # [B] bool: its rollout failed and the failure policy filled its reward
+    calls_per_row: np.ndarray  # [B] int32: calls merged into the row
     rollout_log_probs: np.ndarray | None = None  # [R] float32 (0 where a row has none), or None
 
     @property
@@ -111,42 +120,121 @@ class PackRow:
     score: float
     rollout_reward: float
     rollout_index: int
+    turn_index: int = 0
+    truncated: bool = False
+    filled: bool = False
+    calls: int = 1
+
+
+class RaggedBuilder:
+    """Collects rows one by one (column by column, no per-row objects) and packs them at once."""
+
+    def __init__(self, *, include_log_probs: bool = True) -> None:
+        self.include_log_probs = include_log_probs
+        self._tokens: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
+        self._log_probs: list[np.ndarray | None] = []
+        self._columns: dict[str, list[float | int | bool]] = {
+            name: []
+            for name in (
+                "prompt_lengths",
+                "response_lengths",
+                "scores",
+                "rollout_rewards",
+                "rollout_index",
+                "turn_index",
+                "truncated",
+                "filled",
+                "calls_per_row",
+            )
+        }
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def add(
+        self,
+        prompt_ids: np.ndarray,
+        response_ids: np.ndarray,
+        response_mask: np.ndarray,
+        logprobs: np.ndarray | None,
+        *,
+        score: float,
+        rollout_reward: float,
+        rollout_index: int,
+        turn_index: int = 0,
+        truncated: bool = False,
+        filled: bool = False,
+        calls: int = 1,
+    ) -> None:
+        self._tokens += (prompt_ids, response_ids)
+        self._masks.append(response_mask)
+        self._log_probs.append(logprobs if self.include_log_probs else None)
+        c = self._columns
+        c["prompt_lengths"].append(len(prompt_ids))
+        c["response_lengths"].append(len(response_ids))
+        c["scores"].append(score)
+        c["rollout_rewards"].append(rollout_reward)
+        c["rollout_index"].append(rollout_index)
+        c["turn_index"].append(turn_index)
+        c["truncated"].append(truncated)
+        c["filled"].append(filled)
+        c["calls_per_row"].append(calls)
+
+    def build(self) -> Ragged:
+        c = self._columns
+        token_ids = np.concatenate(self._tokens) if self._tokens else np.zeros(0, np.int32)
+        max_id = int(token_ids.max()) if len(token_ids) else 0
+        has_lp = np.array([lp is not None for lp in self._log_probs], dtype=np.bool_)
+        log_probs = None
+        if has_lp.any():
+            log_probs = np.concatenate(
+                [
+                    lp if lp is not None else np.zeros(len(m))
+                    for lp, m in zip(self._log_probs, self._masks, strict=True)
+                ]
+            ).astype(np.float32, copy=False)
+        rollout_index = np.array(c["rollout_index"], dtype=np.int32)
+        counts = np.bincount(rollout_index) if len(rollout_index) else np.zeros(0, np.int64)
+        return Ragged(
+            token_ids=token_ids.astype(token_dtype(max_id), copy=False),
+            prompt_lengths=np.array(c["prompt_lengths"], dtype=np.int32),
+            response_lengths=np.array(c["response_lengths"], dtype=np.int32),
+            response_mask=np.concatenate(self._masks).astype(np.uint8, copy=False)
+            if self._masks
+            else np.zeros(0, np.uint8),
+            # the stored float64 rewards, rounded once to float32
+            scores=np.array(c["scores"], dtype=np.float64).astype(np.float32),
+            rollout_rewards=np.array(c["rollout_rewards"], dtype=np.float64).astype(np.float32),
+            rollout_index=rollout_index,
+            rows_per_rollout=counts[rollout_index].astype(np.int32),
+            has_rollout_log_probs=has_lp,
+            turn_index=np.array(c["turn_index"], dtype=np.int32),
+            truncated=np.array(c["truncated"], dtype=np.bool_),
+            filled=np.array(c["filled"], dtype=np.bool_),
+            calls_per_row=np.array(c["calls_per_row"], dtype=np.int32),
+            rollout_log_probs=log_probs,
+        )
 
 
 def pack(rows: Sequence[PackRow], *, include_log_probs: bool = True) -> Ragged:
     """Rows into one ragged batch (rows_per_rollout is counted from rollout_index)."""
-    n = len(rows)
-    prompt_lengths = np.fromiter((len(r.prompt_ids) for r in rows), np.int32, n)
-    response_lengths = np.fromiter((len(r.response_ids) for r in rows), np.int32, n)
-    pieces = [ids for r in rows for ids in (r.prompt_ids, r.response_ids)]
-    max_id = max((int(p.max()) for p in pieces if len(p)), default=0)
-    token_ids = np.concatenate(pieces).astype(token_dtype(max_id)) if pieces else np.zeros(0, np.uint16)
-    response_mask = (
-        np.concatenate([r.response_mask for r in rows]).astype(np.uint8) if n else np.zeros(0, np.uint8)
-    )
-    has_lp = np.fromiter((include_log_probs and r.logprobs is not None for r in rows), np.bool_, n)
-    log_probs = None
-    if has_lp.any():
-        log_probs = np.concatenate(
-            [
-                r.logprobs if r.logprobs is not None and include_log_probs else np.zeros(len(r.response_ids))
-                for r in rows
-            ]
-        ).astype(np.float32)
-    rollout_index = np.fromiter((r.rollout_index for r in rows), np.int32, n)
-    counts = np.bincount(rollout_index) if n else np.zeros(0, np.int64)
-    return Ragged(
-        token_ids=token_ids,
-        prompt_lengths=prompt_lengths,
-        response_lengths=response_lengths,
-        response_mask=response_mask,
-        scores=np.fromiter((r.score for r in rows), np.float64, n).astype(np.float32),
-        rollout_rewards=np.fromiter((r.rollout_reward for r in rows), np.float64, n).astype(np.float32),
-        rollout_index=rollout_index,
-        rows_per_rollout=counts[rollout_index].astype(np.int32),
-        has_rollout_log_probs=has_lp,
-        rollout_log_probs=log_probs,
-    )
+    builder = RaggedBuilder(include_log_probs=include_log_probs)
+    for r in rows:
+        builder.add(
+            r.prompt_ids,
+            r.response_ids,
+            r.response_mask,
+            r.logprobs,
+            score=r.score,
+            rollout_reward=r.rollout_reward,
+            rollout_index=r.rollout_index,
+            turn_index=r.turn_index,
+            truncated=r.truncated,
+            filled=r.filled,
+            calls=r.calls,
+        )
+    return builder.build()
 
 
 def _placements(lengths: np.ndarray, width: int, *, left: bool) -> np.ndarray:
@@ -154,6 +242,53 @@ def _placements(lengths: np.ndarray, width: int, *, left: bool) -> np.ndarray:
     cols = np.arange(width)[None, :]
     lengths = lengths[:, None]
     return cols >= width - lengths if left else cols < lengths
+
+
+#: Batches of at least this many padded positions are padded by two threads (half the rows each): most
+#: of the time goes to the first writes into fresh memory, which the kernel serves faster in parallel.
+PARALLEL_PAD_POSITIONS = 1 << 17
+_pad_pool: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _pad_pool
+    if _pad_pool is None:
+        _pad_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lightning-pad")
+    return _pad_pool
+
+
+def _fill_rows(
+    batch: Ragged, out: dict[str, np.ndarray], width_p: int, width_r: int, pad_token_id: int
+) -> None:
+    """Write every element of the padded arrays ``out`` (views of these rows) from the ragged rows."""
+    p_len = batch.prompt_lengths.astype(np.int64)
+    r_len = batch.response_lengths.astype(np.int64)
+    in_prompt = _placements(p_len, width_p, left=True)
+    in_response = _placements(r_len, width_r, left=False)
+    attended = np.concatenate([in_prompt, in_response], axis=1)
+    # Row-major, the attended places of a row are its prompt's then its response's: exactly the order of
+    # the ragged tokens, so one masked assignment fills the ids.
+    input_ids = out["input_ids"]
+    input_ids.fill(pad_token_id)
+    input_ids[attended] = batch.token_ids
+    np.copyto(out["attention_mask"], attended)
+    response_mask = out["response_mask"]
+    response_mask.fill(0)
+    response_mask[in_response] = batch.response_mask
+    # clamp(cumsum(attention_mask) - 1, 0), computed directly: a row's positions count from its first token
+    position_ids = out["position_ids"]
+    np.subtract(
+        np.arange(width_p + width_r, dtype=np.int64)[None, :], (width_p - p_len)[:, None], out=position_ids
+    )
+    np.clip(position_ids, 0, np.maximum(p_len + r_len - 1, 0)[:, None], out=position_ids)
+    scores = out["token_level_scores"]
+    scores.fill(0.0)
+    has_response = r_len > 0
+    scores[np.flatnonzero(has_response), r_len[has_response] - 1] = batch.scores[has_response]
+    if batch.rollout_log_probs is not None:
+        log_probs = out["rollout_log_probs"]
+        log_probs.fill(0.0)
+        log_probs[in_response] = batch.rollout_log_probs
 
 
 def pad(
@@ -170,10 +305,8 @@ def pad(
     default they are the longest prompt and response of the batch.
     """
     b = batch.rows
-    p_len = batch.prompt_lengths.astype(np.int64)
-    r_len = batch.response_lengths.astype(np.int64)
-    width_p = int(p_len.max()) if b else 0
-    width_r = int(r_len.max()) if b else 0
+    width_p = int(batch.prompt_lengths.max()) if b else 0
+    width_r = int(batch.response_lengths.max()) if b else 0
     if prompt_length is not None:
         if prompt_length < width_p:
             raise ValueError(f"prompt_length {prompt_length} is shorter than the longest prompt ({width_p})")
@@ -184,36 +317,39 @@ def pad(
                 f"response_length {response_length} is shorter than the longest response ({width_r})"
             )
         width_r = response_length
-    in_prompt = _placements(p_len, width_p, left=True)
-    in_response = _placements(r_len, width_r, left=False)
-    attended = np.concatenate([in_prompt, in_response], axis=1)
-    # Row-major, the attended places of a row are its prompt's then its response's: exactly the order of
-    # the ragged tokens, so one masked assignment fills the ids. prompts and responses are views into it.
-    input_ids = np.full((b, width_p + width_r), pad_token_id, dtype=ids_dtype)
-    input_ids[attended] = batch.token_ids
-    prompts, responses = input_ids[:, :width_p], input_ids[:, width_p:]
-    response_mask = np.zeros((b, width_r), dtype=ids_dtype)
-    response_mask[in_response] = batch.response_mask
-    attention_mask = attended.astype(ids_dtype)
-    # clamp(cumsum(attention_mask) - 1, 0), computed directly: a row's positions count from its first token
-    position_ids = np.arange(width_p + width_r, dtype=np.int64)[None, :] - (width_p - p_len)[:, None]
-    np.clip(position_ids, 0, np.maximum(p_len + r_len - 1, 0)[:, None], out=position_ids)
-    scores = np.zeros((b, width_r), dtype=np.float32)
-    has_response = r_len > 0
-    scores[np.flatnonzero(has_response), r_len[has_response] - 1] = batch.scores[has_response]
+    width = width_p + width_r
+    input_ids = np.empty((b, width), dtype=ids_dtype)
     out = {
-        "prompts": prompts,
-        "responses": responses,
+        "prompts": input_ids[:, :width_p],  # views into input_ids
+        "responses": input_ids[:, width_p:],
         "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids.astype(ids_dtype, copy=False),
-        "response_mask": response_mask,
-        "token_level_scores": scores,
+        "attention_mask": np.empty((b, width), dtype=ids_dtype),
+        "position_ids": np.empty((b, width), dtype=np.int64),
+        "response_mask": np.empty((b, width_r), dtype=ids_dtype),
+        "token_level_scores": np.empty((b, width_r), dtype=np.float32),
     }
     if batch.rollout_log_probs is not None:
-        log_probs = np.zeros((b, width_r), dtype=np.float32)
-        log_probs[in_response] = batch.rollout_log_probs
-        out["rollout_log_probs"] = log_probs
+        out["rollout_log_probs"] = np.empty((b, width_r), dtype=np.float32)
+    if b > 1 and b * width >= PARALLEL_PAD_POSITIONS:
+        half = b // 2
+        parts = [(0, half), (half, b)]
+        jobs = [
+            _pool().submit(
+                _fill_rows,
+                batch.row_slice(start, stop),
+                {name: array[start:stop] for name, array in out.items()},
+                width_p,
+                width_r,
+                pad_token_id,
+            )
+            for start, stop in parts
+        ]
+        for job in jobs:
+            job.result()
+    else:
+        _fill_rows(batch, out, width_p, width_r, pad_token_id)
+    if ids_dtype != np.int64:
+        out["position_ids"] = out["position_ids"].astype(ids_dtype)
     for name in ROW_ARRAYS:
         out[name] = getattr(batch, name)
     return out

@@ -172,7 +172,8 @@ class _BatchLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BatchLayo
     BATCH_LAYOUT_RAGGED: _BatchLayout.ValueType  # 1
     """Compact: token_ids [N] (each row's prompt then response), prompt_lengths [B], response_lengths [B],
     response_mask [R] and rollout_log_probs [R] over the concatenated responses; per row: scores,
-    rollout_rewards, rollout_index, rows_per_rollout, has_rollout_log_probs. Clients pad locally.
+    rollout_rewards, rollout_index, rows_per_rollout, has_rollout_log_probs, turn_index, truncated,
+    filled, calls_per_row. Clients pad locally.
     """
     BATCH_LAYOUT_PADDED: _BatchLayout.ValueType  # 2
     """verl's padded tensors: prompts [B,P] left-padded, responses [B,L] right-padded, input_ids,
@@ -188,7 +189,8 @@ BATCH_LAYOUT_UNSPECIFIED: BatchLayout.ValueType  # 0
 BATCH_LAYOUT_RAGGED: BatchLayout.ValueType  # 1
 """Compact: token_ids [N] (each row's prompt then response), prompt_lengths [B], response_lengths [B],
 response_mask [R] and rollout_log_probs [R] over the concatenated responses; per row: scores,
-rollout_rewards, rollout_index, rows_per_rollout, has_rollout_log_probs. Clients pad locally.
+rollout_rewards, rollout_index, rows_per_rollout, has_rollout_log_probs, turn_index, truncated,
+filled, calls_per_row. Clients pad locally.
 """
 BATCH_LAYOUT_PADDED: BatchLayout.ValueType  # 2
 """verl's padded tensors: prompts [B,P] left-padded, responses [B,L] right-padded, input_ids,
@@ -503,7 +505,7 @@ Global___BatchRollout: _TypeAlias = BatchRollout  # noqa: Y015
 
 @_typing.final
 class BatchRow(_message.Message):
-    """One row of a batch (the tensors hold its data at the same index)."""
+    """One row of a rollout's triplets (GetTriplets)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -639,7 +641,9 @@ Global___BatchHeader: _TypeAlias = BatchHeader  # noqa: Y015
 
 @_typing.final
 class GetBatchResponse(_message.Message):
-    """Response of GetBatch: the header (first message only) and rows [row_offset, row_offset + len(rows))."""
+    """Response of GetBatch: the header (first message only) and rows [row_offset, row_offset + B) of the
+    batch, column by column: B is the length of the per-row tensors.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -666,26 +670,34 @@ class GetBatchResponse(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     ROW_OFFSET_FIELD_NUMBER: _builtins.int
-    ROWS_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
+    CALL_SPAN_IDS_FIELD_NUMBER: _builtins.int
+    CALL_POLICY_VERSIONS_FIELD_NUMBER: _builtins.int
     row_offset: _builtins.int
     @_builtins.property
     def header(self) -> Global___BatchHeader: ...
     @_builtins.property
-    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchRow]: ...
-    @_builtins.property
     def tensors(self) -> _containers.MessageMap[_builtins.str, Global___Tensor]: ...
+    @_builtins.property
+    def call_span_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The span id of every call of these rows, row after row (the tensor calls_per_row says how many)."""
+
+    @_builtins.property
+    def call_policy_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The policy version of each of those calls."""
+
     def __init__(
         self,
         *,
         header: Global___BatchHeader | None = ...,
         row_offset: _builtins.int = ...,
-        rows: _abc.Iterable[Global___BatchRow] | None = ...,
         tensors: _abc.Mapping[_builtins.str, Global___Tensor] | None = ...,
+        call_span_ids: _abc.Iterable[_builtins.str] | None = ...,
+        call_policy_versions: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "row_offset", b"row_offset", "rows", b"rows", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_policy_versions", b"call_policy_versions", "call_span_ids", b"call_span_ids", "header", b"header", "row_offset", b"row_offset", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
