@@ -345,7 +345,9 @@ def trainer_loop(profile: str, log: Any) -> dict[str, Any] | None:
     steps = TRAINER_LOOP_STEPS[profile]
     if steps is None:
         return None
-    log(f"trainer loop: {steps} steps of the demo's loop, then of direct generation")
+    log(
+        f"trainer loop: {steps} steps of the demo's loop (its mode, then the other), then of direct generation"
+    )
     done = subprocess.run(
         [PY, str(BENCH / "trainer_loop.py"), "--steps", str(steps)],
         capture_output=True,
@@ -364,24 +366,44 @@ def trainer_loop_markdown(res: dict[str, Any] | None) -> list[str]:
     if "error" in res:
         return ["", "## Training loop", "", f"failed: {res['error'][-300:]}"]
     ours, direct = res["ours"], res["direct"]
-    return [
+    other = next((k for k in res if k.startswith("ours_")), None)
+
+    def line(name: str, r: dict[str, Any], data: bool) -> str:
+        return (
+            f"| {name} | {r['rollouts_per_second']:.1f} | {r['step_seconds_median']:.2f} "
+            f"| {r['generation_seconds_median']:.2f} | {r['update_seconds_median']:.2f} "
+            f"| {r['data_path_seconds_median']:.3f} |"
+            if data
+            else f"| {name} | {r['rollouts_per_second']:.1f} | {r['step_seconds_median']:.2f} "
+            f"| {r['generation_seconds_median']:.2f} | {r['update_seconds_median']:.2f} | - |"
+        )
+
+    lines = [
         "",
         "## Training loop (the demo's, through the whole system) against direct generation",
         "",
-        f"{res['steps']} steps of 128 rollouts each, same model, sampling and learner; medians over steps 2 on.",
+        f"{res['steps']} steps of 128 rollouts each, same model, sampling and learner; medians over steps 2 on. "
+        "Generation s is the wait for the batch (in async mode the groups were generated during the update).",
         "",
         "| loop | rollouts/s | step s | generation s | update s | data path s |",
         "|---|---|---|---|---|---|",
-        f"| lightning-grpc (engine, proxy, store, runners, trainer) | {ours['rollouts_per_second']:.1f} "
-        f"| {ours['step_seconds_median']:.2f} | {ours['generation_seconds_median']:.2f} "
-        f"| {ours['update_seconds_median']:.2f} | {ours['data_path_seconds_median']:.3f} |",
-        f"| direct generation in one process | {direct['rollouts_per_second']:.1f} "
-        f"| {direct['step_seconds_median']:.2f} | {direct['generation_seconds_median']:.2f} "
-        f"| {direct['update_seconds_median']:.2f} | - |",
+        line(f"lightning-grpc, demo's mode ({ours.get('mode', 'sync')})", ours, True),
+    ]
+    if other:
+        lines.append(line(f"lightning-grpc, {res[other].get('mode')} mode", res[other], True))
+    lines += [
+        line("direct generation in one process", direct, False),
         "",
-        f"Ratio {res['rollouts_per_second_ratio']:.2f}; data path {100 * res['data_path_share']:.2f}% of a step. "
+        f"Ratio {res['rollouts_per_second_ratio']:.2f}"
+        + (
+            f" ({res[other]['mode']} mode: {res['rollouts_per_second_ratio_' + res[other]['mode']]:.2f})"
+            if other
+            else ""
+        )
+        + f"; data path {100 * res['data_path_share']:.2f}% of a step. "
         f"CPU seconds per step by process: {ours['cpu_seconds_per_step']}.",
     ]
+    return lines
 
 
 # ------------------------------------------------------------------ LLM proxy overhead

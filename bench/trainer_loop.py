@@ -4,7 +4,8 @@
 
 Ours: the demo's loop (``examples/combination_lock/config.toml``) through the whole system: the engine,
 the server (Store, Trainer, proxy), a runner fleet playing the agent with the official OpenAI client, and
-the learner. The peer: ``lightning_grpc.trainer.direct``, the same episodes generated in-process with the
+the learner, in the demo's mode (async: the next groups are generated during the update) and, as a
+second figure, in the other mode. The peer: ``lightning_grpc.trainer.direct``, the same episodes generated in-process with the
 same model and sampling rules and trained by the same learner. Both start from the same freshly built tiny
 model and run the same number of steps of ``batch_size`` groups x ``group_size`` rollouts, without
 validation. Reported: rollouts per second of each loop (the peer's over generation and update only), their
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "combination_lock" / "config.toml"
 
 
-def ours(model: Path, steps: int, out: Path) -> dict[str, Any]:
+def ours(model: Path, steps: int, out: Path, mode: str | None = None) -> dict[str, Any]:
     from lightning_grpc.trainer.experiment import load_experiment
     from lightning_grpc.trainer.loop import run_experiment
 
@@ -40,6 +41,7 @@ def ours(model: Path, steps: int, out: Path) -> dict[str, Any]:
             "model.path": str(model),
             "validation.every": 0,
             "checkpoint.every": 0,
+            **({"experiment.mode": mode} if mode else {}),
         },
     )
     config = _without_validation(config)
@@ -52,6 +54,7 @@ def ours(model: Path, steps: int, out: Path) -> dict[str, Any]:
     data_s = [float(r["data_path_seconds"]) for r in steady]
     rollouts = config.data.batch_size * config.data.group_size
     return {
+        "mode": config.experiment.mode,
         "steps": len(rows),
         "rollouts_per_step": rollouts,
         "rollouts_per_second": rollouts * len(steady) / sum(step_s),
@@ -123,13 +126,18 @@ def run(steps: int) -> dict[str, Any]:
             capture_output=True,
         )
         loop = ours(model, steps, Path(tmp) / "run")
+        other = "sync" if loop["mode"] == "async" else "async"
+        loop_other = ours(model, steps, Path(tmp) / f"run-{other}", mode=other)
         direct = peer(model, steps)
     return {
         "workload": "trainer_loop",
         "steps": steps,
         "ours": loop,
+        f"ours_{other}": loop_other,
         "direct": direct,
         "rollouts_per_second_ratio": loop["rollouts_per_second"] / direct["rollouts_per_second"],
+        f"rollouts_per_second_ratio_{other}": loop_other["rollouts_per_second"]
+        / direct["rollouts_per_second"],
         "data_path_share": loop["data_path_share"],
     }
 

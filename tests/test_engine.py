@@ -96,6 +96,29 @@ async def test_chat_token_ids_match_the_template_and_the_text(
     assert data["policy_version"] == engine.policy_version
 
 
+async def test_a_repeated_chat_prompt_is_rendered_once_and_stays_exact(
+    client: openai.AsyncOpenAI, tokenizer: Any, engine: EngineServer
+) -> None:
+    messages = [{"role": "user", "content": "a prompt sent by every sample of a group"}]
+    before = len(engine._rendered)
+    first = (await chat(client, messages=messages)).model_dump()["prompt_token_ids"]
+    again = (await chat(client, messages=messages, seed=2)).model_dump()["prompt_token_ids"]
+    assert first == again == chat_prompt_ids(tokenizer, messages)
+    assert len(engine._rendered) == before + 1  # remembered once, served from memory the second time
+    # anything that changes the rendering is a different prompt: the messages, or the template arguments
+    longer = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    assert (await chat(client, messages=longer)).model_dump()["prompt_token_ids"] == chat_prompt_ids(
+        tokenizer, longer
+    )
+    continued = await chat(
+        client,
+        messages=[*messages, {"role": "assistant", "content": "I"}],
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert continued.model_dump()["prompt_token_ids"] != first
+    assert len(engine._rendered) == before + 3
+
+
 async def test_without_return_token_ids_the_fields_are_absent(client: openai.AsyncOpenAI) -> None:
     response = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     data = response.model_dump()

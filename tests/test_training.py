@@ -4,17 +4,25 @@ official ``openai`` client. Short runs with fixed seeds."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lightning_grpc.cli.train_commands import report
-from lightning_grpc.examples.combination_lock import train_tasks, val_tasks, write_jsonl
+from lightning_grpc.client import StoreClient
+from lightning_grpc.engine import EngineProcess
+from lightning_grpc.examples.combination_lock import AGENT_REF, train_tasks, val_tasks, write_jsonl
+from lightning_grpc.processes import Background, log_field
 from lightning_grpc.trainer.experiment import ConfigError, experiment_from_dict, load_experiment
 from lightning_grpc.trainer.loop import run_experiment
+from lightning_grpc.types import RolloutMode, RolloutStatus
+
+from .engine_fixtures import CLI, QUIET_ENV
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -96,6 +104,79 @@ def test_async_mode_carries_groups_over_and_drops_stale_calls(tmp_path: Path, ti
     history = rows(config.output_dir / "metrics.csv")
     assert sum(float(r["carried_over_groups"]) for r in history) > 0
     assert sum(float(r.get("drop_stale_policy") or 0) for r in history) > 0
+
+
+def test_a_run_trains_through_services_already_running(tmp_path: Path, tiny_model: Path) -> None:
+    """[services] names a running store+proxy and engine, and agent.processes = 0 leaves the agents to a
+    runner started by the user: the run starts nothing, and trains through them."""
+    engine = EngineProcess(
+        tiny_model, served_model_name="policy", extra_args=["--threads", "1"], env=QUIET_ENV
+    ).start()
+    started: list[Background] = []
+    try:
+        server = Background(
+            "server",
+            [
+                *CLI[1:],
+                "serve",
+                "--port",
+                "0",
+                "--memory",
+                "--proxy-backend",
+                engine.base_url,
+                "--proxy-model-name",
+                "policy",
+                "--proxy-port",
+                "0",
+            ],
+            QUIET_ENV,
+        )
+        started.append(server)
+        store = log_field(server.wait_for("event=server_started", timeout=60)[0], "address")
+        proxy = log_field(server.wait_for("event=proxy_started", timeout=60)[0], "http_address")
+        runner = Background(
+            "runner",
+            [*CLI[1:], "runner", AGENT_REF, "--store", store, "--concurrency", "32", "--poll-wait", "1"],
+            QUIET_ENV,
+        )
+        started.append(runner)
+        runner.wait_for("event=runner_started", timeout=120)
+        config = experiment(
+            tmp_path,
+            tiny_model,
+            experiment={"steps": 2},
+            agent={"processes": 0},
+            services={"store": store, "proxy": proxy, "engine": engine.url},
+        )
+        run_experiment(config, progress=False)
+        history = rows(config.output_dir / "metrics.csv")
+        assert [r["step"] for r in history] == ["1", "2"]
+        # CPU time is measured for every process the run started: none but the trainer itself
+        assert sorted(k for k in history[0] if k.startswith("cpu_")) == ["cpu_trainer_seconds"]
+
+        # the store the user started holds the run's rollouts, played by the user's runner
+        async def stored() -> list[Any]:
+            async with StoreClient(store) as client:
+                return await client.query_rollouts()
+
+        rollouts = asyncio.run(stored())
+        train = [r for r in rollouts if r.mode == RolloutMode.TRAIN]
+        assert len(train) == 2 * 8 * 4 and all(r.status == RolloutStatus.SUCCEEDED for r in train)
+        assert len(rollouts) - len(train) == 2 * 4 * 2  # validation before and after: 4 tasks x 2 samples
+        assert {r.latest_attempt.worker_id for r in rollouts if r.latest_attempt}.isdisjoint({""})
+        # the engine the user started serves the trained policy
+        with urllib.request.urlopen(f"{engine.url}/v1/models", timeout=10) as resp:
+            assert resp.headers["x-policy-version"] == "2"
+        assert all(process.alive() for process in started)
+    finally:
+        for process in reversed(started):
+            process.stop(timeout=20)
+        engine.stop()
+
+
+def test_processes_0_needs_a_running_store(tmp_path: Path, tiny_model: Path) -> None:
+    with pytest.raises(ConfigError, match=r"agent\.processes may be 0 only when services\.store"):
+        experiment(tmp_path, tiny_model, agent={"processes": 0})
 
 
 def test_the_config_file_is_checked_and_names_the_key(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ import logging
 import socket
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 POLICY_HEADER = "x-policy-version"
 CLIENT_CHECK_SECONDS = 0.5
 CLIENT_GONE = "client disconnected"
+#: Chat prompts whose rendered token ids the engine remembers (least recently used go first).
+RENDERED_PROMPTS = 4096
 
 
 class _ClientGone(Exception):
@@ -199,6 +202,7 @@ class EngineServer:
         model, tokenizer, scheduler_tokenizer = await loop.run_in_executor(None, self._load)
         self.tokenizer = tokenizer
         self._texts = TokenTexts(tokenizer)
+        self._rendered: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._model_class = type(model)
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         params = sum(t.numel() for t in model.parameters())
@@ -427,8 +431,28 @@ class EngineServer:
             raise EngineError(f"The model `{model}` does not exist.", status=404, param="model")
 
     def _chat_prompt(self, parsed: p.ChatRequest) -> list[int]:
+        """The prompt's token ids, rendered by the model's chat template.
+
+        Rendered prompts are remembered: the samples of a GRPO group, and the turns agents replay,
+        send the same messages many times, and the template costs more than the rest of a request.
+        """
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("the model has no chat template: use /v1/completions", "messages")
+        try:
+            key = json.dumps([parsed.messages, parsed.tools, parsed.template_kwargs], sort_keys=True)
+        except (TypeError, ValueError):  # not JSON (cannot happen for a parsed request body)
+            return self._render_chat(parsed)
+        found = self._rendered.get(key)
+        if found is not None:
+            self._rendered.move_to_end(key)
+            return list(found)
+        ids = self._render_chat(parsed)
+        self._rendered[key] = tuple(ids)
+        while len(self._rendered) > RENDERED_PROMPTS:
+            self._rendered.popitem(last=False)
+        return ids
+
+    def _render_chat(self, parsed: p.ChatRequest) -> list[int]:
         kwargs = dict(parsed.template_kwargs)
         try:
             text = self.tokenizer.apply_chat_template(

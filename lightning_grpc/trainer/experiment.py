@@ -3,7 +3,8 @@
     [experiment]              name, output_dir, seed, steps, mode ("sync" | "async"), async_groups,
                               max_staleness
     [agent]                   agent ("module:name"), train_tasks / val_tasks (JSONL files, paths relative
-                              to the config file), processes, concurrency
+                              to the config file), processes (0: runners started elsewhere serve the
+                              store named in [services]), concurrency
     [model]                   path (a Hugging Face model directory), init (build the tiny local model there
                               when missing), served_name
     [data]                    group_size, batch_size (groups per step), max_prompt_length,
@@ -256,7 +257,12 @@ def check_experiment(c: ExperimentConfig) -> None:
         ("sampling.max_tokens", c.sampling.max_tokens >= 1, "must be at least 1"),
         ("validation.every", c.validation.every >= 0, "must be at least 0 (0: no validation)"),
         ("validation.samples", c.validation.samples >= 1, "must be at least 1"),
-        ("agent.processes", c.agent.processes >= 1, "must be at least 1"),
+        ("agent.processes", c.agent.processes >= 0, "must be at least 0 (0: runners run elsewhere)"),
+        (
+            "agent.processes",
+            c.agent.processes >= 1 or bool(c.services.store),
+            "may be 0 only when services.store names a running store that the runners serve",
+        ),
         ("agent.concurrency", c.agent.concurrency >= 1, "must be at least 1"),
         ("checkpoint.every", c.checkpoint.every >= 0, "must be at least 0"),
         (

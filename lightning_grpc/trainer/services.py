@@ -122,8 +122,11 @@ def start_services(
         raise
 
 
-def start_runners(config: ExperimentConfig, services: Services) -> Background:
-    """The runner fleet playing the experiment's agent against the server."""
+def start_runners(config: ExperimentConfig, services: Services) -> Background | None:
+    """The runner fleet playing the experiment's agent against the server (none with ``agent.processes = 0``:
+    runners started elsewhere serve the store)."""
+    if config.agent.processes == 0:
+        return None
     runners = Background(
         "runners",
         [
