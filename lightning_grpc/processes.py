@@ -21,7 +21,7 @@ class Background:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=dict(env),
+            env={**env, PARENT_ENV: str(os.getpid())},
         )
         self.lines: list[str] = []
         self._closed = False
@@ -75,6 +75,28 @@ class Background:
 def log_field(line: str, key: str) -> str:
     """The value of ``key=value`` in a log line."""
     return line.split(f"{key}=", 1)[1].split()[0]
+
+
+#: Set for a child started by :class:`Background`: the pid it stops with (see :func:`stop_with_parent`).
+PARENT_ENV = "LIGHTNING_GRPC_PARENT_PID"
+
+
+def stop_with_parent(interval: float = 1.0) -> None:
+    """In a child started by :class:`Background`: SIGTERM itself once that parent is gone.
+
+    A run killed outright (SIGKILL, or SIGTERM before its cleanup) would otherwise leave its engine,
+    server and runners serving nobody. Each child checks its parent every ``interval`` seconds.
+    """
+    expected = os.environ.pop(PARENT_ENV, "")
+    if not expected.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(expected):
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stop-with-parent", daemon=True).start()
 
 
 def child_env() -> dict[str, str]:

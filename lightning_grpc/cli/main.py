@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lightning_grpc.cli import proxy_commands
 from lightning_grpc.errors import LightningError
+from lightning_grpc.processes import stop_with_parent
 
 log = logging.getLogger("lightning_grpc.cli")
 
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_with_parent()
     try:
         return int(args.func(args) or 0)
     except LightningError as exc:

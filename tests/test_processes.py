@@ -1,0 +1,46 @@
+"""Child processes of a run (engine, server, runners) stop when the run that started them is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+from .engine_fixtures import QUIET_ENV
+
+
+def test_a_child_server_stops_when_its_parent_is_killed() -> None:
+    parent_code = textwrap.dedent(
+        """
+        import sys, time
+        from lightning_grpc.processes import Background, log_field
+        server = Background("server", ["-m", "lightning_grpc.cli.main", "serve", "--memory", "--port", "0"], {})
+        line = server.wait_for("event=server_started", timeout=60)[0]
+        print(server.proc.pid, log_field(line, "address"), flush=True)
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True, env=QUIET_ENV
+    )
+    try:
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline().split()[0])
+        child = psutil.Process(child_pid)
+        assert child.is_running() and child.ppid() == parent.pid
+        os.kill(parent.pid, signal.SIGKILL)  # no cleanup at all
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, (
+            "the orphaned server kept running"
+        )
+    finally:
+        if parent.poll() is None:
+            parent.kill()
