@@ -53,12 +53,13 @@ breaking: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py $(if $(QUICK),--quick,)
 
-# verl 0.9.1 on CPU in its own environment, for the parity test of lightning_grpc/trainer/ppo.py against
-# verl's core_algos (never part of `make test`; the first `make verl-env` downloads ~1 GB from PyPI).
+# The project with its `verl` extra (verl 0.9.1 on CPU) in a second environment: the verl backend's tests
+# and the parity test of lightning_grpc/trainer/ppo.py against verl's core_algos (`make test` skips them,
+# saying so; the first `make verl-env` downloads ~1 GB from PyPI).
 VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: verl-env verl-parity
+.PHONY: verl-env verl-parity verl-test
 
 verl-env: $(VERL_STAMP)
 
@@ -67,4 +68,7 @@ $(VERL_STAMP): scripts/verl_env.sh pyproject.toml
 	touch $(VERL_STAMP)
 
 verl-parity: $(VERL_STAMP)
-	$(VERL_VENV)/bin/pytest -q --noconftest tests/test_verl_parity.py
+	$(VERL_VENV)/bin/pytest -q tests/test_verl_parity.py
+
+verl-test: $(VERL_STAMP)
+	$(VERL_VENV)/bin/pytest -q -rs tests/test_verl_parity.py tests/test_verl_backend.py

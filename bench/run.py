@@ -400,7 +400,7 @@ def trainer_loop_markdown(res: dict[str, Any] | None) -> list[str]:
             if other
             else ""
         )
-        + f"; data path {100 * res['data_path_share']:.2f}% of a step. "
+        + f"; data path {100 * res['data_path_share']:.2f}% of a step (sync mode). "
         f"CPU seconds per step by process: {ours['cpu_seconds_per_step']}.",
     ]
     return lines
@@ -770,7 +770,7 @@ def goals(ratios: dict[str, float | None], latency: float | None, rss: float | N
             (r.get("trainer_loop_vs_direct") or 0) >= 0.5,
         ),
         goal(
-            "trainer data path (batch request to arrays) as a share of a training step",
+            "trainer data path (batch request to arrays, sync mode) as a share of a training step",
             r.get("trainer_data_path_share"),
             "≤ 0.05",
             (r.get("trainer_data_path_share") if r.get("trainer_data_path_share") is not None else 1e9)

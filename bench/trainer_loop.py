@@ -138,7 +138,10 @@ def run(steps: int) -> dict[str, Any]:
         "rollouts_per_second_ratio": loop["rollouts_per_second"] / direct["rollouts_per_second"],
         f"rollouts_per_second_ratio_{other}": loop_other["rollouts_per_second"]
         / direct["rollouts_per_second"],
-        "data_path_share": loop["data_path_share"],
+        # the data path apart from generation is measured in sync mode, where the batch is asked for once
+        # every group has ended (in async mode the request also waits for the groups still running)
+        "data_path_share": (loop if loop["mode"] == "sync" else loop_other)["data_path_share"],
+        "data_path_measured_in": "sync",
     }
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build .venv-verl: a separate environment holding verl 0.9.1 on CPU, used only by the parity test
-# (tests/test_verl_parity.py). The package itself never imports verl.
+# Build .venv-verl: the project with its `verl` extra (verl 0.9.1) and the dev tools, in one environment,
+# as a user would install it: `pip install 'lightning-grpc[verl]'`. `make verl-test` runs the verl
+# backend's tests and the loss parity test there; the default environment (.venv) never holds verl.
 #
 # Usage: scripts/verl_env.sh [VENV_DIR]   (default .venv-verl; `make verl-env` calls it from the repo root)
 set -euo pipefail
@@ -10,26 +11,10 @@ PY="$VENV_DIR/bin/python"
 
 test -x "$PY" || python3 -m venv "$VENV_DIR"
 "$PY" -m pip install --quiet --upgrade pip
-# CPU torch first: verl does not depend on torch, but its dependencies (peft, accelerate) do, and an
-# unpinned torch would pull several GB of CUDA packages.
+# CPU torch first: verl's dependencies (peft, accelerate) ask for torch, and an unpinned torch would pull
+# several GB of CUDA packages.
 "$PY" -m pip install --quiet torch==2.13.0
-# verl 0.9.1 with its base requirements (tensordict, transformers <5.11, ray, hydra-core, ...); the torch
-# installed above satisfies what its dependencies ask for.
-"$PY" -m pip install --quiet verl==0.9.1 numpy pytest pytest-timeout pytest-asyncio
-# The project's runtime dependencies that importing lightning_grpc.trainer needs, then the project itself:
-# all of pyproject.toml's dependencies but torch and transformers (verl's pins stand) and litellm and
-# openai (the LLM client side, which nothing here imports; litellm pins filelock, python-dateutil and
-# importlib-metadata below what verl's dependencies installed). pytest-asyncio and pytest-timeout above
-# only serve pyproject.toml's pytest settings: the parity test runs with --noconftest.
-"$PY" - > "$VENV_DIR/project-requirements.txt" <<'PYTHON'
-import re
-import tomllib
-
-LEFT_OUT = {"torch", "transformers", "litellm", "openai"}
-with open("pyproject.toml", "rb") as project:
-    dependencies = tomllib.load(project)["project"]["dependencies"]
-print("\n".join(d for d in dependencies if re.match(r"[\w.-]+", d).group().lower() not in LEFT_OUT))
-PYTHON
-"$PY" -m pip install --quiet -r "$VENV_DIR/project-requirements.txt"
-"$PY" -m pip install --quiet --no-deps -e .
-"$PY" -c 'import verl.trainer.ppo.core_algos, lightning_grpc.trainer.ppo; print("verl", verl.__version__, "imports on CPU")'
+# The project, its verl extra (verl[verl-core]==0.9.1, transformers <5.11) and its dev tools, resolved
+# together so every pin holds at once (LiteLLM's included).
+"$PY" -m pip install --quiet -e ".[verl,dev]"
+"$PY" -c 'import verl, verl.trainer.ppo.ray_trainer, lightning_grpc.trainer.verl_backend as b; print("verl", verl.__version__, "with lightning-grpc: the verl backend imports on CPU")'

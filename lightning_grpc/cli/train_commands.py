@@ -2,6 +2,7 @@
 
 lightning-grpc train examples/combination_lock/config.toml
 lightning-grpc train config.toml --resume runs/lock/checkpoints/step-000050 --set experiment.steps=400
+lightning-grpc train config.toml --backend verl --dry-run     # the config verl would run, checked by verl
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override a setting (VALUE is read as JSON, else as text); repeatable",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("local", "verl"),
+        default="local",
+        help="local: the learner in this process and the embedded engine (CPU or one GPU); "
+        "verl: verl's FSDP actor and vLLM replicas on a GPU cluster (the `verl` extra)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --backend verl: print verl's config for the experiment, checked by verl, and stop",
     )
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress bar")
     p.add_argument("--log-level", default="WARNING")
@@ -53,10 +66,37 @@ def run_train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.backend == "verl":
+        return run_train_with_verl(args, config)
+    if args.dry_run:
+        print("error: --dry-run goes with --backend verl", file=sys.stderr)
+        return 2
     if args.resume is not None and not (args.resume / "trainer_state.pt").exists():
         print(f"error: --resume {args.resume} is not a checkpoint (no trainer_state.pt)", file=sys.stderr)
         return 2
     result = run_experiment(config, resume=args.resume, progress=not args.no_progress)
+    print(report(result, config.validation.target))
+    return 0
+
+
+def run_train_with_verl(args: argparse.Namespace, config: Any) -> int:
+    from lightning_grpc.trainer.experiment import ConfigError
+    from lightning_grpc.trainer.verl_backend import VerlUnavailable, run_verl, verl_config
+
+    if args.resume is not None:
+        print("error: with --backend verl the run resumes from verl's own checkpoints", file=sys.stderr)
+        return 2
+    try:
+        cfg = verl_config(config)
+        if args.dry_run:
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+            return 0
+        result = run_verl(config, progress=not args.no_progress)
+    except (ConfigError, VerlUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(report(result, config.validation.target))
     return 0
 

@@ -18,6 +18,9 @@
     [checkpoint]              every (steps), keep
     [services]                store, proxy, proxy_grpc, engine: addresses of running ones (else started
                               here), threads (torch threads of the trainer and of the engine)
+    [verl]                    the cluster backend (``train --backend verl``): n_gpus_per_node, nnodes,
+                              micro_batch_size_per_gpu, tensor_parallel_size, gpu_memory_utilization, and
+                              overrides (verl config keys as "dotted.key=value" strings)
 
 An unknown key or a value of the wrong kind is an error that names it (``optim.lrr``).
 """
@@ -114,6 +117,21 @@ class ServicesSection:
 
 
 @dataclass(frozen=True)
+class VerlSection:
+    """What only ``lightning-grpc train --backend verl`` uses: the cluster, and verl's own knobs by name."""
+
+    n_gpus_per_node: int = 1
+    nnodes: int = 1
+    #: Rows per GPU per forward/backward pass (verl: ppo_micro_batch_size_per_gpu and the log-prob ones).
+    micro_batch_size_per_gpu: int = 4
+    #: vLLM tensor parallelism per rollout replica.
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    #: Any other key of verl's trainer config, as "dotted.key=value" (applied last).
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     experiment: ExperimentSection = field(default_factory=ExperimentSection)
     agent: AgentSection = field(default_factory=AgentSection)
@@ -125,6 +143,7 @@ class ExperimentConfig:
     validation: ValidationSection = field(default_factory=ValidationSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     services: ServicesSection = field(default_factory=ServicesSection)
+    verl: VerlSection = field(default_factory=VerlSection)
     #: The directory relative paths are taken from (the config file's).
     base_dir: str = "."
 
@@ -223,6 +242,9 @@ def _typed(where: str, hint: Any, value: Any) -> Any:
         return float(value)
     elif (hint is int or text == "int") and isinstance(value, int) and not isinstance(value, bool):
         return value
+    elif "tuple[str" in text and isinstance(value, list | tuple):
+        if all(isinstance(v, str) for v in value):
+            return tuple(value)
     elif "tuple" in text and isinstance(value, list | tuple):
         return tuple(float(v) for v in value)
     elif (hint is str or "str" in text or "Literal" in text) and isinstance(value, str):
@@ -265,6 +287,20 @@ def check_experiment(c: ExperimentConfig) -> None:
         ),
         ("agent.concurrency", c.agent.concurrency >= 1, "must be at least 1"),
         ("checkpoint.every", c.checkpoint.every >= 0, "must be at least 0"),
+        ("verl.n_gpus_per_node", c.verl.n_gpus_per_node >= 1, "must be at least 1"),
+        ("verl.nnodes", c.verl.nnodes >= 1, "must be at least 1"),
+        ("verl.micro_batch_size_per_gpu", c.verl.micro_batch_size_per_gpu >= 1, "must be at least 1"),
+        ("verl.tensor_parallel_size", c.verl.tensor_parallel_size >= 1, "must be at least 1"),
+        (
+            "verl.gpu_memory_utilization",
+            0.0 < c.verl.gpu_memory_utilization <= 1.0,
+            "must be in (0, 1]",
+        ),
+        (
+            "verl.overrides",
+            all("=" in o and not o.startswith("=") for o in c.verl.overrides),
+            'must be "dotted.key=value" strings',
+        ),
         (
             "optim.temperature",
             c.optim.temperature == c.sampling.temperature,

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import psutil
@@ -35,13 +35,17 @@ import torch
 from lightning_grpc import semconv
 from lightning_grpc.algorithm import final_reward
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
+from lightning_grpc.proxy import Backend
 from lightning_grpc.proxy.client import ProxyClient
 from lightning_grpc.types import ProxyLLM, RolloutConfig, Span
 
 from .experiment import ExperimentConfig, read_tasks
-from .learner import Learner, UpdateInput
+from .learner import Learner, UpdateInput, reward_metrics, rollout_rewards_and_groups
 from .metrics import MetricsLog, summary_line
 from .services import Services, start_runners, start_services
+
+if TYPE_CHECKING:
+    from lightning_grpc.client.trainer import TrainingBatch
 
 log = logging.getLogger("lightning_grpc.trainer")
 
@@ -120,8 +124,11 @@ class TrainingRun:
         resume: Path | None = None,
         progress: bool = True,
         say: Callable[[str], None] = print,
+        backend: UpdateBackend | None = None,
     ) -> None:
         self.config = config
+        #: Where the update and the weights go instead of the learner and the engine (the verl backend).
+        self.backend = backend
         self.resume = resume
         self.progress = progress
         self.say = say
@@ -130,6 +137,7 @@ class TrainingRun:
         self.val_tasks = read_tasks(config.path(config.agent.val_tasks)) if config.agent.val_tasks else []
         self.services: Services | None = None
         self.learner: Learner | None = None
+        self.pad_id = 0
         self.policy_version = 0
         self.metrics = MetricsLog(self._prepared_output())
 
@@ -183,11 +191,22 @@ class TrainingRun:
     async def run(self) -> RunResult:
         started = time.monotonic()
         model_dir = self.model_dir()
-        self.learner, self.policy_version = self._learner(model_dir)
-        first_step = self.learner.step + 1
-        self.metrics.truncate(self.learner.step)
+        if self.backend is None:
+            self.learner, self.policy_version = self._learner(model_dir)
+            self.pad_id = _pad_id(self.learner.model.config)
+        else:
+            self.say("starting the update backend (its own checkpoints resume it)")
+            self.backend.start()
+            self.policy_version = self.backend.policy_version
+            from transformers import AutoConfig
+
+            self.pad_id = _pad_id(AutoConfig.from_pretrained(model_dir))
+        first_step = self.policy_version + 1 if self.learner is None else self.learner.step + 1
+        self.metrics.truncate(first_step - 1)
         self.say(f"starting the services (model {model_dir}, policy version {self.policy_version})")
-        self.services = start_services(self.config, model_dir, policy_version=self.policy_version)
+        self.services = start_services(
+            self.config, model_dir, policy_version=self.policy_version, start_engine=self.backend is None
+        )
         try:
             return await self._run_with_services(first_step, started)
         finally:
@@ -195,7 +214,7 @@ class TrainingRun:
             self.metrics.close()
 
     async def _run_with_services(self, first_step: int, started: float) -> RunResult:
-        assert self.services is not None and self.learner is not None
+        assert self.services is not None and (self.learner is not None or self.backend is not None)
         svc = self.services
         cfg = self.config
         client_config = ClientConfig(target=svc.store, timeout=120.0)
@@ -206,6 +225,8 @@ class TrainingRun:
             aiohttp.ClientSession() as http,
         ):
             self.store, self.trainer, self.proxy, self.http = store, trainer, proxy, http
+            if self.backend is not None:  # the backend's inference servers behind the proxy
+                await proxy.set_backends(await self.backend.proxy_backends(cfg.model.served_name, http))
             resources = await store.add_resources(
                 {
                     "llm": ProxyLLM(
@@ -290,7 +311,6 @@ class TrainingRun:
 
     # ------------------------------------------------------------ one step
     async def train_step(self, step: int, in_flight: list[str]) -> dict[str, float]:
-        assert self.learner is not None
         cfg = self.config
         t0 = time.perf_counter()
         sync = cfg.experiment.mode == "sync"
@@ -321,14 +341,18 @@ class TrainingRun:
         for gid in batch.group_ids:
             in_flight.remove(gid)
         t2 = time.perf_counter()
-        metrics = (
-            self.learner.update(UpdateInput(batch.arrays, batch.uid, cfg.validation.solved_at))
-            if len(batch)
-            else {}
-        )
-        t3 = time.perf_counter()
-        self.policy_version = self.learner.step
-        await self.publish_weights(pause=sync)
+        if self.backend is not None:
+            metrics, t3 = await self._backend_update(batch, step)
+        else:
+            assert self.learner is not None
+            metrics = (
+                self.learner.update(UpdateInput(batch.arrays, batch.uid, cfg.validation.solved_at))
+                if len(batch)
+                else {}
+            )
+            t3 = time.perf_counter()
+            self.policy_version = self.learner.step
+            await self.publish_weights(pause=sync)
         t4 = time.perf_counter()
         metrics.update({f"drop_{reason}": float(count) for reason, count in batch.drops.items()})
         metrics.update(
@@ -345,6 +369,22 @@ class TrainingRun:
             }
         )
         return metrics
+
+    async def _backend_update(self, batch: TrainingBatch, step: int) -> tuple[dict[str, float], float]:
+        """The backend's update and weight sync; its inference servers pause meanwhile, so the proxy holds
+        new calls and lets those in flight finish first. Returns (metrics, when the update ended)."""
+        assert self.backend is not None
+        await self.proxy.pause("weight update")
+        await self.proxy.drain(timeout=120)
+        try:
+            metrics = await asyncio.to_thread(self.backend.update, batch, step) if len(batch) else {}
+            ended = time.perf_counter()
+            self.policy_version = self.backend.policy_version
+        finally:
+            await self.proxy.resume()
+        rewards, groups = rollout_rewards_and_groups(batch.arrays, batch.uid)
+        solved_at = self.config.validation.solved_at
+        return {**metrics, **reward_metrics(rewards.numpy(), groups, solved_at)}, ended
 
     async def submit(
         self, tasks: Sequence[Any], step: int, groups: int, group_size: int, mode: str, tag: str
@@ -370,10 +410,7 @@ class TrainingRun:
         return [g.group_id for g in submitted]
 
     def _pad_id(self) -> int:
-        assert self.learner is not None
-        config = self.learner.model.config
-        pad = getattr(config, "pad_token_id", None)
-        return int(pad) if isinstance(pad, int) else 0
+        return self.pad_id
 
     async def publish_weights(self, *, pause: bool) -> None:
         """The learner's weights into the engine, as policy version ``self.policy_version``."""
@@ -425,7 +462,9 @@ class TrainingRun:
 
     # ------------------------------------------------------------ checkpoints and output
     def checkpoint(self, step: int, *, final: bool = False) -> Path:
-        assert self.learner is not None
+        if self.learner is None:  # the backend checkpoints itself
+            assert self.backend is not None
+            return self.backend.checkpoint_dir
         extra = {"policy_version": self.policy_version, "experiment": self.config.experiment.name}
         if final:
             path = self.out / "final"
@@ -500,6 +539,36 @@ def _json(text: Any) -> dict[str, Any]:
 
 
 def run_experiment(
-    config: ExperimentConfig, *, resume: Path | None = None, progress: bool = True
+    config: ExperimentConfig,
+    *,
+    resume: Path | None = None,
+    progress: bool = True,
+    backend: UpdateBackend | None = None,
 ) -> RunResult:
-    return asyncio.run(TrainingRun(config, resume=resume, progress=progress).run())
+    return asyncio.run(TrainingRun(config, resume=resume, progress=progress, backend=backend).run())
+
+
+class UpdateBackend(Protocol):
+    """Where a run's updates happen instead of the in-process learner (``train --backend verl``).
+
+    It owns the model's weights and the inference servers that sample from them: the proxy routes the
+    agents' calls to :meth:`proxy_backends`; :meth:`update` trains on one batch and brings the servers
+    the new weights; :attr:`policy_version` is the version they then serve.
+    """
+
+    def start(self) -> list[str]: ...
+
+    async def proxy_backends(self, model_name: str, http: aiohttp.ClientSession) -> list[Backend]: ...
+
+    def update(self, batch: TrainingBatch, step: int) -> dict[str, float]: ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+    @property
+    def checkpoint_dir(self) -> Path: ...
+
+
+def _pad_id(model_config: Any) -> int:
+    pad = getattr(model_config, "pad_token_id", None)
+    return int(pad) if isinstance(pad, int) else 0

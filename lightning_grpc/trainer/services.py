@@ -53,14 +53,23 @@ def _env(threads: int) -> dict[str, str]:
 
 
 def start_services(
-    config: ExperimentConfig, model_dir: Path, *, policy_version: int = 0, db: Path | None = None
+    config: ExperimentConfig,
+    model_dir: Path,
+    *,
+    policy_version: int = 0,
+    db: Path | None = None,
+    start_engine: bool = True,
 ) -> Services:
-    """Start what the experiment does not name; returns once everything serves."""
+    """Start what the experiment does not name; returns once everything serves.
+
+    ``start_engine=False``: the model is served elsewhere (an update backend's inference servers, set as the
+    proxy's backends once they run); the proxy starts without backends.
+    """
     svc = config.services
     started: list[Background] = []
     try:
         engine_url = svc.engine
-        if not engine_url:
+        if not engine_url and start_engine:
             engine = Background(
                 "engine",
                 [
@@ -98,10 +107,16 @@ def start_services(
                     *where,
                     "--grace",
                     "2",
-                    "--proxy-backend",
-                    f"{engine_url}/v1",
-                    "--proxy-model-name",
-                    config.model.served_name,
+                    *(
+                        [
+                            "--proxy-backend",
+                            f"{engine_url}/v1",
+                            "--proxy-model-name",
+                            config.model.served_name,
+                        ]
+                        if engine_url
+                        else ["--proxy"]
+                    ),
                     "--proxy-port",
                     "0",
                 ],
