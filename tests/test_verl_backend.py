@@ -199,7 +199,10 @@ async def stack_with_a_replica(engine: Engine) -> AsyncIterator[tuple[RunningSer
     bare "host:port" address (the embedded engine speaks vLLM's dialect, token ids included)."""
     server = await start_server(ServerConfig(port=0, grace=1.0))
     address = engine.api_base.removeprefix("http://").removesuffix("/v1")
-    backends = replica_backends([address], model_name=MODEL, served_model=engine.served_model)
+    backends = replica_backends(
+        [address], model_name=MODEL, served_model=engine.served_model, policy_version=2
+    )
+    assert [(b.api_base, b.policy_version) for b in backends] == [(engine.api_base, 2)]
     proxy = await LLMProxy(ProxyConfig(store=f"127.0.0.1:{server.port}", backends=backends)).start()
     try:
         yield server, proxy

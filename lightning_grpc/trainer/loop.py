@@ -380,6 +380,10 @@ class TrainingRun:
             metrics = await asyncio.to_thread(self.backend.update, batch, step) if len(batch) else {}
             ended = time.perf_counter()
             self.policy_version = self.backend.policy_version
+            # later calls are recorded with the new version (the backend's servers do not report one)
+            await self.proxy.set_backends(
+                await self.backend.proxy_backends(self.config.model.served_name, self.http)
+            )
         finally:
             await self.proxy.resume()
         rewards, groups = rollout_rewards_and_groups(batch.arrays, batch.uid)

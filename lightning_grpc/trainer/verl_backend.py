@@ -239,9 +239,12 @@ def data_proto(batch: TrainingBatch, *, temperature: float) -> Any:
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
 
 
-def replica_backends(addresses: Sequence[str], *, model_name: str, served_model: str) -> list[Any]:
+def replica_backends(
+    addresses: Sequence[str], *, model_name: str, served_model: str, policy_version: int = 0
+) -> list[Any]:
     """verl's vLLM replicas ("host:port" each, as ``LLMServerManager.get_addresses()`` gives them) as the
-    proxy's backends for ``model_name``: the agents' calls reach them through the proxy, recorded."""
+    proxy's backends for ``model_name``: the agents' calls reach them through the proxy, recorded with
+    ``policy_version`` (vLLM does not report one; the loop sets it again after every weight sync)."""
     from lightning_grpc.proxy import Backend
 
     if not addresses:
@@ -249,7 +252,14 @@ def replica_backends(addresses: Sequence[str], *, model_name: str, served_model:
     backends = []
     for address in addresses:
         base = address if address.startswith(("http://", "https://")) else f"http://{address}"
-        backends.append(Backend(model_name=model_name, api_base=f"{base}/v1", backend_model=served_model))
+        backends.append(
+            Backend(
+                model_name=model_name,
+                api_base=f"{base}/v1",
+                backend_model=served_model,
+                policy_version=policy_version,
+            )
+        )
     return backends
 
 
@@ -359,18 +369,26 @@ class VerlBackend:
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
         self.trainer: Any = None
+        self._served_model = ""
 
     @property
     def checkpoint_dir(self) -> Path:
         return Path(str(self.cfg.trainer.default_local_dir))
 
     async def proxy_backends(self, model_name: str, http: Any) -> list[Any]:
-        """The vLLM replicas as backends for ``model_name``, each under the name vLLM serves the model by."""
+        """The vLLM replicas as backends for ``model_name`` (under the name vLLM serves the model by), at
+        the current policy version."""
         addresses = self.trainer.replica_addresses()
-        base = addresses[0] if addresses[0].startswith("http") else f"http://{addresses[0]}"
-        async with http.get(f"{base}/v1/models") as resp:
-            served = (await resp.json())["data"][0]["id"]
-        return replica_backends(addresses, model_name=model_name, served_model=served)
+        if not self._served_model:
+            base = addresses[0] if addresses[0].startswith("http") else f"http://{addresses[0]}"
+            async with http.get(f"{base}/v1/models") as resp:
+                self._served_model = (await resp.json())["data"][0]["id"]
+        return replica_backends(
+            addresses,
+            model_name=model_name,
+            served_model=self._served_model,
+            policy_version=self.policy_version,
+        )
 
     def start(self) -> list[str]:
         """Start verl's workers; returns the vLLM replicas' addresses."""
