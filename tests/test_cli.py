@@ -376,3 +376,38 @@ def test_format_table_aligns_and_fills_empty_cells() -> None:
         "x           -            1",
         "wider cell  -            two lines",
     ]
+
+
+# ================================================================= help and mistakes
+def command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_grpc.cli.main", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_version_and_a_help_that_names_every_part() -> None:
+    version = command("--version")
+    assert version.returncode == 0 and version.stdout.startswith("lightning-grpc ")
+    top = command("--help").stdout
+    for part in ("Store", "TrainerService", "proxy", "engine", "agents", "train"):
+        assert part in top
+    for name in ("serve", "runner", "proxy", "engine", "init-model", "train", "rollouts", "triplets"):
+        assert name in top
+
+
+def test_help_shows_defaults_and_no_internal_names() -> None:
+    for sub in ("proxy", "serve", "runner", "init-model"):
+        text = command(sub, "--help").stdout
+        assert "PROXY_" not in text, sub  # metavars say what to give, not the internal dest
+    runner = command("runner", "--help").stdout
+    assert "--store HOST:PORT" in runner and "$LIGHTNING_GRPC_STORE" in runner
+    assert "(default: 1)" in runner  # --concurrency
+    init = command("init-model", "--help").stdout
+    assert "(default: 2048)" in init and "--force" in init
+
+
+def test_a_subcommands_mistake_shows_that_subcommands_usage() -> None:
+    done = command("rollouts", "--bogus")
+    assert done.returncode == 2
+    assert "usage: lightning-grpc rollouts" in done.stderr
+    assert "lightning-grpc rollouts: error: unrecognized arguments: --bogus" in done.stderr

@@ -430,6 +430,23 @@ def perturbed_checkpoint(model_dir: Path, out: Path) -> Path:
 
 
 # ---------------------------------------------------------------- the CLI and the subprocess helper
+async def test_init_model_refuses_to_overwrite_a_model_without_force(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_grpc.cli import main as cli
+
+    monkeypatch.setattr(cli, "configure_logging", lambda level="INFO": None)
+    path = tmp_path / "model"
+    build = ["init-model", str(path), "--vocab-size", "300"]
+    assert await asyncio.to_thread(cli.main, [*build, "--seed", "1"]) == 0
+    weights = (path / "model.safetensors").read_bytes()
+    assert await asyncio.to_thread(cli.main, [*build, "--seed", "2"]) == 2
+    assert "init-model writes a new model there only with --force" in capsys.readouterr().err
+    assert (path / "model.safetensors").read_bytes() == weights  # untouched
+    assert await asyncio.to_thread(cli.main, [*build, "--seed", "2", "--force"]) == 0
+    assert (path / "model.safetensors").read_bytes() != weights
+
+
 async def test_init_model_cli_then_an_engine_subprocess(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

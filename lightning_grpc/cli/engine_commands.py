@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger("lightning_grpc.engine")
@@ -23,11 +24,18 @@ log = logging.getLogger("lightning_grpc.engine")
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("init-model", help="build a tiny random model and tokenizer in Hugging Face format")
     p.add_argument("path", type=Path, help="directory to write (created if missing)")
-    p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
-    p.add_argument("--vocab-size", type=_positive_int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden-size", type=_positive_int, default=64)
-    p.add_argument("--layers", type=_positive_int, default=2)
+    p.add_argument(
+        "--arch", choices=["qwen2", "llama"], default="qwen2", help="the transformers architecture"
+    )
+    p.add_argument(
+        "--vocab-size", type=_positive_int, default=2048, help="tokens of its byte-level BPE tokenizer"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--hidden-size", type=_positive_int, default=64, help="width of the model")
+    p.add_argument("--layers", type=_positive_int, default=2, help="decoder layers")
+    p.add_argument(
+        "--force", action="store_true", help="replace a model already in PATH (refused without it)"
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run_init_model)
 
@@ -59,6 +67,14 @@ def run_init_model(args: argparse.Namespace) -> int:
     _offline()
     from lightning_grpc.engine.tiny import build_tiny_model
 
+    if args.path.is_file() or (args.path.is_dir() and any(args.path.iterdir()) and not args.force):
+        what = "a file" if args.path.is_file() else "a directory that is not empty"
+        print(
+            f"error: {args.path} is {what}; init-model writes a new model there only with --force "
+            "(which replaces a model that may be in use)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         build_tiny_model(
             args.path,

@@ -1,4 +1,4 @@
-"""``lightning-grpc``: serve the store, and look at a running one.
+"""``lightning-grpc``: the Store, proxy, engine, runners and trainer of an agent RL platform over gRPC.
 
 lightning-grpc serve --host 127.0.0.1 --port 4747 --db store.db
 lightning-grpc serve --memory --max-memory 2GiB
@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from lightning_grpc.cli import proxy_commands
 from lightning_grpc.errors import LightningError
@@ -119,8 +120,17 @@ def add_runner_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument(
         "agent", help="module:name or path/file.py:name (a @rollout function, LitAgent, or its class)"
     )
-    p.add_argument("--store", default=os.environ.get("LIGHTNING_GRPC_STORE", "127.0.0.1:4747"))
-    p.add_argument("--token", default=os.environ.get("LIGHTNING_GRPC_TOKEN"))
+    p.add_argument(
+        "--store",
+        default=os.environ.get("LIGHTNING_GRPC_STORE", "127.0.0.1:4747"),
+        metavar="HOST:PORT",
+        help="the store to take rollouts from ($LIGHTNING_GRPC_STORE)",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
+        help="the store's bearer token ($LIGHTNING_GRPC_TOKEN)",
+    )
     p.add_argument("--concurrency", type=int, default=1, help="rollouts run at once in each process")
     p.add_argument(
         "--processes", type=int, default=1, help="runner processes on this machine (or Ray actors)"
@@ -136,7 +146,7 @@ def add_runner_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--max-rollouts", type=int, help="stop each runner after this many rollouts")
     p.add_argument("--heartbeat-interval", type=float, default=5.0, help="seconds between attempt heartbeats")
     p.add_argument("--poll-wait", type=float, default=2.0, help="long-poll wait of each dequeue, seconds")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=run_runner)
 
 
@@ -168,9 +178,42 @@ def run_runner(args: argparse.Namespace) -> int:
     return run_processes(spec, args.processes)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, "", False, [], argparse.SUPPRESS):
+            return text
+        return str(super()._get_help_string(action))
+
+
+class Parser(argparse.ArgumentParser):
+    """Every (sub)command shows its defaults in --help, and reports its own mistakes with its own usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        found, extras = super().parse_known_args(args, namespace)
+        if extras and self.prog != "lightning-grpc":  # a subcommand: its usage, not the top-level one
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return found, extras
+
+
+DESCRIPTION = (
+    "lightning-grpc: serve the Store (and TrainerService, the proxy, the engine), run agents, train, "
+    "and look at a running store. `lightning-grpc COMMAND --help` shows each command's options."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-grpc", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="lightning-grpc", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"lightning-grpc {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
     add_serve_parser(sub)
     add_runner_parser(sub)
     from lightning_grpc.cli import engine_commands, train_commands, trainer_commands
@@ -182,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine_commands.add_parsers(sub)
     proxy_commands.add_parsers(sub)
     return parser
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning-grpc")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,11 +34,13 @@ def _backend_options(p: argparse.ArgumentParser, prefix: str) -> None:
     p.add_argument(
         f"--{prefix}model-name",
         dest="proxy_model_name",
+        metavar="NAME",
         help="the model name agents ask for (default: the first model the first backend lists)",
     )
     p.add_argument(
         f"--{prefix}backend-model",
         dest="proxy_backend_model",
+        metavar="NAME",
         default="",
         help="the model name the backends expect (default: the model name)",
     )
@@ -52,18 +54,24 @@ def _backend_options(p: argparse.ArgumentParser, prefix: str) -> None:
     p.add_argument(
         f"--{prefix}api-key",
         dest="proxy_api_key",
+        metavar="KEY",
         default=os.environ.get("LIGHTNING_GRPC_BACKEND_API_KEY", ""),
         help="bearer token for the backends (default: $LIGHTNING_GRPC_BACKEND_API_KEY)",
     )
     p.add_argument(
         f"--{prefix}policy-version",
         dest="proxy_policy_version",
+        metavar="VERSION",
         type=int,
         default=0,
         help="policy version recorded when a backend does not report one",
     )
     p.add_argument(
-        f"--{prefix}public-url", dest="proxy_public_url", default="", help="the URL agents reach the proxy at"
+        f"--{prefix}public-url",
+        dest="proxy_public_url",
+        metavar="URL",
+        default="",
+        help="the URL agents reach the proxy at",
     )
     p.add_argument(
         f"--{prefix}unattributed",
@@ -73,13 +81,23 @@ def _backend_options(p: argparse.ArgumentParser, prefix: str) -> None:
         help="calls without /rollout/{id}/attempt/{id}: forward them unrecorded, or refuse them",
     )
     p.add_argument(
-        f"--{prefix}retries", dest="proxy_retries", type=int, default=2, help="retries towards a backend"
+        f"--{prefix}retries",
+        dest="proxy_retries",
+        metavar="N",
+        type=int,
+        default=2,
+        help="retries towards a backend",
     )
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("proxy", help="run the LLM proxy (OpenAI-compatible HTTP, recorded into a store)")
-    p.add_argument("--store", default=os.environ.get("LIGHTNING_GRPC_STORE", "127.0.0.1:4747"))
+    p.add_argument(
+        "--store",
+        default=os.environ.get("LIGHTNING_GRPC_STORE", "127.0.0.1:4747"),
+        metavar="HOST:PORT",
+        help="the store the calls are recorded into ($LIGHTNING_GRPC_STORE)",
+    )
     p.add_argument(
         "--token",
         default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
@@ -99,7 +117,11 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("LLM proxy (hosted when --proxy-backend or --proxy is given)")
     group.add_argument("--proxy", action="store_true", help="host the proxy even without backends")
     group.add_argument(
-        "--proxy-port", type=int, default=DEFAULT_HTTP_PORT, help="the proxy's HTTP port (0: any free port)"
+        "--proxy-port",
+        type=int,
+        metavar="PORT",
+        default=DEFAULT_HTTP_PORT,
+        help="the proxy's HTTP port (0: any free port)",
     )
     _backend_options(group, "proxy-")  # type: ignore[arg-type]
 
