@@ -18,6 +18,7 @@ import pytest_asyncio
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from lightning_grpc.client import StoreClient, SyncTrainerClient, TrainerClient
+from lightning_grpc.client.trainer import batch_from_messages
 from lightning_grpc.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from lightning_grpc.server.app import RunningServer
 from lightning_grpc.trainer import BatchOptions, GroupSample
@@ -335,6 +336,13 @@ async def test_a_batch_larger_than_a_chunk_streams_in_chunks(
             == len(m.tensors["calls_per_row"].data) // 4
         )
     assert batch.rows == whole.rows and [r.rollout_index for r in batch.rows] == list(range(6))
+    # chunks are padded as they arrive, at the widths the header gives; without them, once all are in
+    header = messages[0].header
+    assert (header.prompt_length, header.response_length) == (20_000, 5_000)
+    bare = [pb.GetBatchResponse.FromString(m.SerializeToString()) for m in messages]
+    bare[0].header.prompt_length = bare[0].header.response_length = 0
+    for name, array in batch_from_messages(bare).arrays.items():
+        np.testing.assert_array_equal(batch.arrays[name], array, err_msg=name)
     assert len({r.call_span_ids[0] for r in batch.rows}) == 6
     assert all(len(r.call_span_ids) == 1 and r.policy_versions == [0] for r in batch.rows)
 

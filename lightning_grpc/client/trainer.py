@@ -18,7 +18,15 @@ from lightning_grpc.adapter import Drop, Triplet
 from lightning_grpc.trainer import BatchOptions, BatchRollout, GroupSample, Layout, RowInfo, TrainingEvent
 from lightning_grpc.trainer.batches import row_infos
 from lightning_grpc.trainer.core import GroupCounts, TrainerStatus
-from lightning_grpc.trainer.tensors import INDEX_ARRAYS, Ragged, concat, pad
+from lightning_grpc.trainer.tensors import (
+    INDEX_ARRAYS,
+    ROW_ARRAYS,
+    Ragged,
+    concat,
+    fill_padded,
+    pad,
+    padded_outputs,
+)
 from lightning_grpc.v1 import trainer_service_pb2 as pb
 from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
 
@@ -211,14 +219,14 @@ class TrainerClient:
         )
         convert.float_to_duration(wait, request.wait)
         convert.batch_options_to_pb(options, request.options)
-        messages = []
+        assembler = BatchAssembler()  # chunks are padded as they arrive
         try:
             call = self._stub.GetBatch(request, timeout=self.config.timeout + wait, metadata=self._metadata)
             async for message in call:
-                messages.append(message)
+                assembler.add(message)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
-        return batch_from_messages(messages)
+        return assembler.finish()
 
     async def report_step(
         self, step: int, policy_version: int, metrics: Mapping[str, float] | None = None, *, run_id: str = ""
@@ -295,53 +303,112 @@ class TrainerClient:
         )
 
 
+_ROLLOUT_STATUS = {int(s): s for s in t.RolloutStatus}
+
+
+class BatchAssembler:
+    """A batch put together from its stream, message by message.
+
+    With the RAGGED layout each chunk is padded into the batch's arrays as soon as it arrives (the header
+    gives the widths), while the server builds and sends the next one.
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[pb.GetBatchResponse] = []
+        self._parts: list[Ragged] = []
+        self._chunks: list[dict[str, np.ndarray]] = []
+        self._out: dict[str, np.ndarray] | None = None
+        self._padded_rows = 0
+
+    def add(self, message: pb.GetBatchResponse) -> None:
+        if not self.messages and not message.HasField("header"):
+            raise ValueError("a batch stream starts with its header")
+        self.messages.append(message)
+        header = self.messages[0].header
+        chunk = {
+            name: convert.tensor_from_pb(tensor, f"tensors[{name!r}]")
+            for name, tensor in message.tensors.items()
+        }
+        if header.layout == Layout.PADDED:
+            self._chunks.append(chunk)
+            return
+        part = Ragged.from_arrays(chunk)
+        self._parts.append(part)
+        widths = (header.prompt_length, header.response_length)
+        if part.rows and (
+            widths[0] < int(part.prompt_lengths.max()) or widths[1] < int(part.response_lengths.max())
+        ):
+            return  # a server that does not give the widths: padded once every chunk is in
+        if self._out is None:
+            self._out = padded_outputs(
+                header.row_count, *widths, log_probs=part.rollout_log_probs is not None
+            )
+        fill_padded(part, self._out, *widths, header.pad_token_id, start=message.row_offset)
+        self._padded_rows += part.rows
+
+    def finish(self) -> TrainingBatch:
+        messages = self.messages
+        if not messages:
+            raise ValueError("a batch stream starts with its header")
+        header = messages[0].header
+        if len(messages) != header.chunk_count:
+            raise ValueError(f"the batch stream ended after {len(messages)} of {header.chunk_count} chunks")
+        ragged = None
+        if header.layout == Layout.PADDED:
+            arrays = {name: np.concatenate([c[name] for c in self._chunks]) for name in self._chunks[0]}
+            for name in INDEX_ARRAYS:
+                arrays[name] = arrays[name].astype(np.int64)
+        else:
+            ragged = self._parts[0] if len(self._parts) == 1 else concat(self._parts)
+            if self._out is not None and self._padded_rows == ragged.rows == header.row_count:
+                arrays = dict(self._out)
+                for name in ROW_ARRAYS:  # small: copied, so every array of the batch is writable
+                    arrays[name] = np.array(getattr(ragged, name))
+            else:  # not padded on the way (no widths in the header, or chunks that disagree with them)
+                arrays = pad(ragged, pad_token_id=header.pad_token_id)
+        status = _ROLLOUT_STATUS
+        rollouts = [
+            BatchRollout(
+                r.rollout_id,
+                r.attempt_id,
+                r.group_id,
+                status.get(r.status) or t.RolloutStatus(r.status),
+                r.reward,
+                r.filled,
+                r.row_count,
+            )
+            for r in header.rollouts
+        ]
+        index = arrays["rollout_index"]
+        return TrainingBatch(
+            batch_id=header.batch_id,
+            group_ids=list(header.group_ids),
+            rollouts=rollouts,
+            arrays=arrays,
+            drops={d.reason: d.count for d in header.drops},
+            carried_over_groups=header.carried_over_groups,
+            closed_by_deadline=header.closed_by_deadline,
+            trajectory_breaks=header.trajectory_breaks,
+            messages=messages,
+            ragged=ragged,
+            call_span_ids=[s for m in messages for s in m.call_span_ids],
+            call_policy_versions=np.fromiter(
+                (v for m in messages for v in m.call_policy_versions),
+                dtype=np.int64,
+                count=sum(len(m.call_policy_versions) for m in messages),
+            ),
+            uid=np.array([r.group_id for r in rollouts], dtype=object)[index]
+            if rollouts
+            else np.zeros(0, object),
+            rollout_ids=np.array([r.rollout_id for r in rollouts], dtype=object)[index]
+            if rollouts
+            else np.zeros(0, object),
+        )
+
+
 def batch_from_messages(messages: Sequence[pb.GetBatchResponse]) -> TrainingBatch:
     """A batch from its stream of messages (the header comes first; chunks hold consecutive rows)."""
-    if not messages or not messages[0].HasField("header"):
-        raise ValueError("a batch stream starts with its header")
-    header = messages[0].header
-    if len(messages) != header.chunk_count:
-        raise ValueError(f"the batch stream ended after {len(messages)} of {header.chunk_count} chunks")
-    chunks = [
-        {name: convert.tensor_from_pb(tensor, f"tensors[{name!r}]") for name, tensor in m.tensors.items()}
-        for m in messages
-    ]
-    ragged = None
-    if header.layout == Layout.PADDED:
-        arrays = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
-        for name in INDEX_ARRAYS:
-            arrays[name] = arrays[name].astype(np.int64)
-    else:
-        ragged = concat([Ragged.from_arrays(c) for c in chunks])
-        arrays = pad(ragged, pad_token_id=header.pad_token_id)
-    rollouts = [
-        BatchRollout(
-            r.rollout_id, r.attempt_id, r.group_id, t.RolloutStatus(r.status), r.reward, r.filled, r.row_count
-        )
-        for r in header.rollouts
-    ]
-    index = arrays["rollout_index"]
-    return TrainingBatch(
-        batch_id=header.batch_id,
-        group_ids=list(header.group_ids),
-        rollouts=rollouts,
-        arrays=arrays,
-        drops={d.reason: d.count for d in header.drops},
-        carried_over_groups=header.carried_over_groups,
-        closed_by_deadline=header.closed_by_deadline,
-        trajectory_breaks=header.trajectory_breaks,
-        messages=messages,
-        ragged=ragged,
-        call_span_ids=[s for m in messages for s in m.call_span_ids],
-        call_policy_versions=np.fromiter(
-            (v for m in messages for v in m.call_policy_versions),
-            dtype=np.int64,
-            count=sum(len(m.call_policy_versions) for m in messages),
-        ),
-        uid=np.array([r.group_id for r in rollouts], dtype=object)[index]
-        if rollouts
-        else np.zeros(0, object),
-        rollout_ids=np.array([r.rollout_id for r in rollouts], dtype=object)[index]
-        if rollouts
-        else np.zeros(0, object),
-    )
+    assembler = BatchAssembler()
+    for message in messages:
+        assembler.add(message)
+    return assembler.finish()

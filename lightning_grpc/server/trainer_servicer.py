@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -60,8 +60,11 @@ def _counts(counter: Mapping[str, int], out: Any) -> None:
 
 def batch_messages(
     batch: BuiltBatch, *, carried_over: int, closed_by_deadline: bool, options: BatchOptions
-) -> list[pb.GetBatchResponse]:
-    """A built batch as its stream: a header, then chunks of whole rows within the chunk size."""
+) -> Iterator[pb.GetBatchResponse]:
+    """A built batch as its stream: a header, then chunks of whole rows within the chunk size.
+
+    Chunks are made one at a time, so the first is on its way while the next is built.
+    """
     ragged = batch.ragged
     layout, pad_id = options.layout, options.pad_token_id
     widths = (int(ragged.prompt_lengths.max(initial=0)), int(ragged.response_lengths.max(initial=0)))
@@ -80,9 +83,9 @@ def batch_messages(
         layout=int(layout),  # type: ignore[arg-type]
         pad_token_id=pad_id,
         chunk_count=len(bounds),
+        prompt_length=widths[0],
+        response_length=widths[1],
     )
-    if layout == Layout.PADDED:
-        header.prompt_length, header.response_length = widths
     for r in batch.rollouts:
         header.rollouts.add(
             rollout_id=r.rollout_id,
@@ -95,7 +98,6 @@ def batch_messages(
         )
     _counts(batch.drops, header.drops)
     calls = np.concatenate(([0], np.cumsum(ragged.calls_per_row, dtype=np.int64))).tolist()
-    messages = []
     for i, (start, stop) in enumerate(bounds):
         msg = pb.GetBatchResponse(
             row_offset=start,
@@ -116,8 +118,7 @@ def batch_messages(
             )
         for name, array in arrays.items():
             convert.tensor_to_pb(array, msg.tensors[name])
-        messages.append(msg)
-    return messages
+        yield msg
 
 
 class TrainerServicer(ServicerState, pb_grpc.TrainerServiceServicer):

@@ -151,6 +151,7 @@ class PreparedRollouts:
         self.capacity = capacity
         self._triplets: OrderedDict[tuple[Any, ...], RolloutTriplets] = OrderedDict()
         self._rows: OrderedDict[tuple[Any, ...], Aggregated] = OrderedDict()
+        self._fitted: OrderedDict[tuple[Any, ...], Fitted] = OrderedDict()
 
     def _key(self, attempt_id: str, config: AdapterConfig) -> tuple[Any, ...]:
         return (attempt_id, self.span_count(attempt_id), config)
@@ -176,6 +177,22 @@ class PreparedRollouts:
         found = self._rows.get(key)
         if found is None or self._triplets.get(key[:3]) is not triplets:
             found = self._remember(self._rows, key, rows_from_triplets(triplets.triplets, aggregation))
+        return found
+
+    def fitted(self, ev: _Evaluated, options: BatchOptions) -> Fitted:
+        """The rollout's rows as the batch options cut them (recent calls, length limits), with what was
+        counted on the way; remembered per attempt, spans stored and options."""
+        attempt = ev.rollout.latest_attempt
+        key = (
+            *self._key(attempt.attempt_id if attempt else "", options.adapter_config),
+            options.min_policy_version,
+            options.max_prompt_length,
+            options.max_response_length,
+            options.prompt_overflow,
+        )
+        found = self._fitted.get(key)
+        if found is None or found.triplets is not ev.triplets:
+            found = self._remember(self._fitted, key, fit_rows(ev, options, self))
         return found
 
     def _remember(self, cache: OrderedDict[tuple[Any, ...], T], key: tuple[Any, ...], value: T) -> T:
@@ -237,6 +254,30 @@ def fit_to_limits(row: Row, options: BatchOptions, drops: Counter[str]) -> tuple
     return row, truncated
 
 
+@dataclass(frozen=True)
+class Fitted:
+    """A rollout's rows within a batch's options: (row, truncated) each, and the drops counted making them."""
+
+    triplets: RolloutTriplets
+    rows: tuple[tuple[Row, bool], ...]
+    drops: Counter[str]
+    breaks: int
+
+
+def fit_rows(ev: _Evaluated, options: BatchOptions, prepared: PreparedRollouts) -> Fitted:
+    drops: Counter[str] = Counter()
+    _count_adapter_drops(ev, drops)
+    aggregated = fresh_rows(ev, options, prepared, drops)
+    kept: list[tuple[Row, bool]] = []
+    for row in aggregated.rows:
+        fitted, truncated = fit_to_limits(row, options, drops)
+        if fitted is not None:
+            kept.append((fitted, truncated))
+    if not kept:
+        drops[ROLLOUT_WITHOUT_ROWS] += 1
+    return Fitted(ev.triplets, tuple(kept), drops, len(aggregated.breaks))
+
+
 def _count_adapter_drops(ev: _Evaluated, drops: Counter[str]) -> None:
     for drop in ev.triplets.drops:
         reason = drop.reason
@@ -281,21 +322,16 @@ def _add_rollout(
     options: BatchOptions,
     prepared: PreparedRollouts,
 ) -> None:
-    if ev.triplets.drops:
-        _count_adapter_drops(ev, out.drops)
     filled = bool(ev.failure)
     if filled:
         out.drops[ROLLOUT_FILLED] += 1
     reward = options.fill_reward if filled else float(ev.triplets.reward)  # type: ignore[arg-type]
-    aggregated = fresh_rows(ev, options, prepared, out.drops)
-    out.trajectory_breaks += len(aggregated.breaks)
-    kept: list[tuple[Row, bool]] = []
-    for row in aggregated.rows:
-        fitted, truncated = fit_to_limits(row, options, out.drops)
-        if fitted is not None:
-            kept.append((fitted, truncated))
+    fitted = prepared.fitted(ev, options)
+    if fitted.drops:
+        out.drops.update(fitted.drops)
+    out.trajectory_breaks += fitted.breaks
+    kept = fitted.rows
     if not kept:
-        out.drops[ROLLOUT_WITHOUT_ROWS] += 1
         return
     index = len(out.rollouts)
     attempt = ev.rollout.latest_attempt

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from lightning_grpc.adapter import AdapterConfig
 from lightning_grpc.errors import InvalidArgumentError
 
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 1024 * 1024
 MIN_CHUNK_BYTES = 64 * 1024
 MAX_CHUNK_BYTES = 32 * 1024 * 1024
 MAX_LENGTH = 1 << 20

@@ -10,7 +10,7 @@ response token, rollout_log_probs) with vectorised numpy: no loop over tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -291,6 +291,56 @@ def _fill_rows(
         log_probs[in_response] = batch.rollout_log_probs
 
 
+def padded_outputs(
+    rows: int, width_p: int, width_r: int, *, log_probs: bool, ids_dtype: np.dtype | type = np.int64
+) -> dict[str, np.ndarray]:
+    """Uninitialised padded arrays for ``rows`` rows (``prompts`` and ``responses`` are views into
+    ``input_ids``); :func:`fill_padded` writes every element."""
+    input_ids = np.empty((rows, width_p + width_r), dtype=ids_dtype)
+    out = {
+        "prompts": input_ids[:, :width_p],
+        "responses": input_ids[:, width_p:],
+        "input_ids": input_ids,
+        "attention_mask": np.empty((rows, width_p + width_r), dtype=ids_dtype),
+        "position_ids": np.empty((rows, width_p + width_r), dtype=np.int64),
+        "response_mask": np.empty((rows, width_r), dtype=ids_dtype),
+        "token_level_scores": np.empty((rows, width_r), dtype=np.float32),
+    }
+    if log_probs:
+        out["rollout_log_probs"] = np.empty((rows, width_r), dtype=np.float32)
+    return out
+
+
+def fill_padded(
+    batch: Ragged,
+    out: Mapping[str, np.ndarray],
+    width_p: int,
+    width_r: int,
+    pad_token_id: int,
+    start: int = 0,
+) -> None:
+    """Pad ``batch``'s rows into rows ``[start, start + batch.rows)`` of ``out`` (two threads when large)."""
+    b = batch.rows
+    views = {name: array[start : start + b] for name, array in out.items()}
+    if b > 1 and b * (width_p + width_r) >= PARALLEL_PAD_POSITIONS:
+        half = b // 2
+        jobs = [
+            _pool().submit(
+                _fill_rows,
+                batch.row_slice(lo, hi),
+                {name: array[lo:hi] for name, array in views.items()},
+                width_p,
+                width_r,
+                pad_token_id,
+            )
+            for lo, hi in ((0, half), (half, b))
+        ]
+        for job in jobs:
+            job.result()
+    else:
+        _fill_rows(batch, views, width_p, width_r, pad_token_id)
+
+
 def pad(
     batch: Ragged,
     *,
@@ -317,37 +367,10 @@ def pad(
                 f"response_length {response_length} is shorter than the longest response ({width_r})"
             )
         width_r = response_length
-    width = width_p + width_r
-    input_ids = np.empty((b, width), dtype=ids_dtype)
-    out = {
-        "prompts": input_ids[:, :width_p],  # views into input_ids
-        "responses": input_ids[:, width_p:],
-        "input_ids": input_ids,
-        "attention_mask": np.empty((b, width), dtype=ids_dtype),
-        "position_ids": np.empty((b, width), dtype=np.int64),
-        "response_mask": np.empty((b, width_r), dtype=ids_dtype),
-        "token_level_scores": np.empty((b, width_r), dtype=np.float32),
-    }
-    if batch.rollout_log_probs is not None:
-        out["rollout_log_probs"] = np.empty((b, width_r), dtype=np.float32)
-    if b > 1 and b * width >= PARALLEL_PAD_POSITIONS:
-        half = b // 2
-        parts = [(0, half), (half, b)]
-        jobs = [
-            _pool().submit(
-                _fill_rows,
-                batch.row_slice(start, stop),
-                {name: array[start:stop] for name, array in out.items()},
-                width_p,
-                width_r,
-                pad_token_id,
-            )
-            for start, stop in parts
-        ]
-        for job in jobs:
-            job.result()
-    else:
-        _fill_rows(batch, out, width_p, width_r, pad_token_id)
+    out = padded_outputs(
+        b, width_p, width_r, log_probs=batch.rollout_log_probs is not None, ids_dtype=ids_dtype
+    )
+    fill_padded(batch, out, width_p, width_r, pad_token_id)
     if ids_dtype != np.int64:
         out["position_ids"] = out["position_ids"].astype(ids_dtype)
     for name in ROW_ARRAYS:

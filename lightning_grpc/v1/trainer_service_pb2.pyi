@@ -268,7 +268,9 @@ class BatchOptions(_message.Message):
     prompt_overflow: Global___PromptOverflow.ValueType
     layout: Global___BatchLayout.ValueType
     max_chunk_bytes: _builtins.int
-    """Largest chunk message in bytes (default 4 MiB; at least 64 KiB)."""
+    """Largest chunk message in bytes (default 1 MiB; at least 64 KiB). Chunks stream while later ones are
+    built, and a client pads each as it arrives.
+    """
     exclude_log_probs: _builtins.bool
     """Leave the recorded log-probs out of the batch (for loops that recompute them)."""
     include_calls_under_reward: _builtins.bool
@@ -594,7 +596,9 @@ class BatchHeader(_message.Message):
     batch_id: _builtins.str
     row_count: _builtins.int
     prompt_length: _builtins.int
-    """Padded lengths (PADDED layout), equal for every chunk."""
+    """The widths every row is padded to, equal for every chunk: as sent (PADDED), or for the client to
+    pad to (RAGGED; the longest prompt and response of the batch).
+    """
     response_length: _builtins.int
     carried_over_groups: _builtins.int
     """Groups still running when the batch closed, carried over to later calls."""
