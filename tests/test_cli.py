@@ -330,6 +330,32 @@ def test_store_and_token_come_from_the_environment() -> None:
 
 
 # ---------------------------------------------------------------- follow
+async def test_spans_follow_of_an_ended_rollout_prints_its_spans_and_exits(client: StoreClient) -> None:
+    rollout = await client.enqueue_rollout({"question": "already done"})
+    started = await client.dequeue_rollout(worker_id="worker-e", wait=1)
+    assert started is not None and started.latest_attempt is not None
+    attempt_id = started.latest_attempt.attempt_id
+    await client.add_spans(
+        [make_span("only", {"step": 1})], rollout_id=rollout.rollout_id, attempt_id=attempt_id
+    )
+    await client.complete_attempt(rollout.rollout_id, attempt_id, "succeeded")
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        "spans",
+        rollout.rollout_id,
+        "--follow",
+        "--store",
+        client.config.target,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+        env=CLEAN_ENV,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err
+    assert [line.split()[2] for line in out.splitlines()] == [b"only"]
+
+
 async def test_spans_follow_prints_new_spans_until_interrupted(client: StoreClient) -> None:
     rollout = await client.enqueue_rollout({"question": "follow me"})
     started = await client.dequeue_rollout(worker_id="worker-f", wait=1)

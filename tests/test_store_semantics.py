@@ -476,6 +476,29 @@ async def test_tail_spans_follows_new_spans(client: StoreClient) -> None:
     assert got[2:] == [s.span_id for s in late]
 
 
+async def test_tail_spans_follow_ends_when_the_rollout_has_ended(client: StoreClient) -> None:
+    rid, aid = await claim(client)
+    early = make_spans(2)
+    await client.add_spans(early, rollout_id=rid, attempt_id=aid)
+    got: list[str] = []
+
+    async def follow() -> None:
+        async for batch in client.tail_spans(rid, follow=True):
+            got.extend(s.span_id for s in batch)
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.3)
+    assert not task.done()  # running: the follow waits for more
+    late = make_spans(1)
+    await client.add_spans(late, rollout_id=rid, attempt_id=aid)
+    await client.complete_attempt(rid, aid, "succeeded")
+    await asyncio.wait_for(task, 5)  # ended with the rollout, every span sent
+    assert got == [s.span_id for s in early + late]
+    # a follow of a rollout that already ended sends its spans and ends at once
+    again = [s.span_id async for batch in client.tail_spans(rid, follow=True) for s in batch]
+    assert again == got
+
+
 # ------------------------------------------------------------------ waiting and watching
 
 

@@ -65,7 +65,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = sub.add_parser("spans", parents=[common], help="a rollout's spans, one line each")
     p.add_argument("rollout_id", metavar="ROLLOUT_ID")
     p.add_argument("--attempt", default=None, help="'latest' or an attempt id (default: every attempt)")
-    p.add_argument("--follow", "-f", action="store_true", help="keep printing new spans until Ctrl-C")
+    p.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="keep printing new spans until the rollout ends (or Ctrl-C)",
+    )
     p.set_defaults(func=_runs(show_spans))
 
     p = sub.add_parser("workers", parents=[common], help="list workers")

@@ -1309,13 +1309,16 @@ class Store:
     async def tail_spans(
         self, sel: SpanSelection, follow: bool = False, batch_size: int = 1000
     ) -> AsyncIterator[list[SpanRecord]]:
-        """Yield the spans of a rollout in batches; with ``follow``, keep yielding new ones."""
+        """Yield the spans of a rollout in batches; with ``follow``, keep yielding new ones until the rollout
+        has ended (succeeded, failed for good or cancelled) and every span stored by then was yielded."""
         query = self._span_query(sel)
         if query is None and not follow:
             return
         after = (0, 0)
         while True:
             await self._durable()
+            status = self.rollout_status(sel.rollout_id)
+            ended = status is not None and status.is_terminal  # spans stored before this are read below
             if query is None:
                 query = self._span_query(sel)
             if query is not None:
@@ -1326,7 +1329,7 @@ class Store:
                     yield found
                     if len(found) == batch_size:
                         continue
-            if not follow or self._closing:
+            if not follow or self._closing or ended:
                 return
             fut = self._span_waiters.get(sel.rollout_id)
             if fut is None or fut.done():

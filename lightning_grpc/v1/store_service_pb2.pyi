@@ -1016,7 +1016,7 @@ class TailSpansRequest(_message.Message):
     SELECTOR_FIELD_NUMBER: _builtins.int
     FOLLOW_FIELD_NUMBER: _builtins.int
     follow: _builtins.bool
-    """Keep streaming spans as they arrive until the client cancels."""
+    """Keep streaming spans as they arrive, until the rollout has ended (or the client cancels)."""
     @_builtins.property
     def selector(self) -> Global___SpanSelector: ...
     def __init__(

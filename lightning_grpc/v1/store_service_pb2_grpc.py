@@ -306,7 +306,8 @@ class StoreServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def TailSpans(self, request, context):
-        """Streams the spans of a rollout in batches; with follow, keeps streaming new ones.
+        """Streams the spans of a rollout in batches; with follow, keeps streaming new ones until the rollout has
+        ended (succeeded, failed for good or cancelled) and its spans stored by then were sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

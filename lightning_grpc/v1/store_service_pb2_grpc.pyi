@@ -83,7 +83,9 @@ class StoreServiceStub:
     ListSpans: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.ListSpansRequest, _store_service_pb2.ListSpansResponse]
     """Lists the spans of a rollout in sequence order, with filters and page tokens."""
     TailSpans: _grpc.UnaryStreamMultiCallable[_store_service_pb2.TailSpansRequest, _store_service_pb2.TailSpansResponse]
-    """Streams the spans of a rollout in batches; with follow, keeps streaming new ones."""
+    """Streams the spans of a rollout in batches; with follow, keeps streaming new ones until the rollout has
+    ended (succeeded, failed for good or cancelled) and its spans stored by then were sent.
+    """
     GetNextSpanSequenceId: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.GetNextSpanSequenceIdRequest, _store_service_pb2.GetNextSpanSequenceIdResponse]
     """Reserves span sequence ids for an attempt, for clients that number spans themselves."""
     AddResources: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.AddResourcesRequest, _store_service_pb2.AddResourcesResponse]
@@ -168,7 +170,9 @@ class StoreServiceAsyncStub(StoreServiceStub):
     ListSpans: _aio.UnaryUnaryMultiCallable[_store_service_pb2.ListSpansRequest, _store_service_pb2.ListSpansResponse]  # type: ignore[assignment]
     """Lists the spans of a rollout in sequence order, with filters and page tokens."""
     TailSpans: _aio.UnaryStreamMultiCallable[_store_service_pb2.TailSpansRequest, _store_service_pb2.TailSpansResponse]  # type: ignore[assignment]
-    """Streams the spans of a rollout in batches; with follow, keeps streaming new ones."""
+    """Streams the spans of a rollout in batches; with follow, keeps streaming new ones until the rollout has
+    ended (succeeded, failed for good or cancelled) and its spans stored by then were sent.
+    """
     GetNextSpanSequenceId: _aio.UnaryUnaryMultiCallable[_store_service_pb2.GetNextSpanSequenceIdRequest, _store_service_pb2.GetNextSpanSequenceIdResponse]  # type: ignore[assignment]
     """Reserves span sequence ids for an attempt, for clients that number spans themselves."""
     AddResources: _aio.UnaryUnaryMultiCallable[_store_service_pb2.AddResourcesRequest, _store_service_pb2.AddResourcesResponse]  # type: ignore[assignment]
@@ -346,7 +350,9 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _store_service_pb2.TailSpansRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_store_service_pb2.TailSpansResponse], _abc.AsyncIterator[_store_service_pb2.TailSpansResponse]]:
-        """Streams the spans of a rollout in batches; with follow, keeps streaming new ones."""
+        """Streams the spans of a rollout in batches; with follow, keeps streaming new ones until the rollout has
+        ended (succeeded, failed for good or cancelled) and its spans stored by then were sent.
+        """
 
     @_abc_1.abstractmethod
     def GetNextSpanSequenceId(
