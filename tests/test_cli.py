@@ -437,3 +437,30 @@ def test_a_subcommands_mistake_shows_that_subcommands_usage() -> None:
     assert done.returncode == 2
     assert "usage: lightning-grpc rollouts" in done.stderr
     assert "lightning-grpc rollouts: error: unrecognized arguments: --bogus" in done.stderr
+
+
+def test_a_runner_that_cannot_reach_its_store_says_so_in_one_line_and_exits() -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            *CLI,
+            "runner",
+            "lightning_grpc.examples.combination_lock:agent",
+            "--store",
+            "127.0.0.1:1",
+            "--connect-timeout",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=CLEAN_ENV,
+    )
+    assert done.returncode == 2
+    assert time.monotonic() - started < 30  # bounded: not the reconnect-for-ever of a running runner
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if "127.0.0.1:1" in line]
+    assert errors == [
+        "error: STORE_UNREACHABLE: cannot reach the store at 127.0.0.1:1 within 1 s (is it running, and is the address right?)"
+    ]
+    assert "Traceback" not in done.stderr and "WARNING" not in done.stdout + done.stderr

@@ -526,3 +526,17 @@ async def test_the_runner_heartbeats_its_worker_with_machine_stats(
     stats = worker.heartbeat_stats
     assert stats["cpu_cores"] >= 1 and stats["memory_total_gib"] > 0 and "cpu_percent" in stats
     assert stats["pid"] > 0 and "completed_rollouts" in stats and "active_rollouts" in stats
+
+
+async def test_a_runner_gives_up_at_start_up_when_its_store_cannot_be_reached() -> None:
+    from lightning_grpc.errors import UnavailableError
+
+    @rollout
+    async def agent(task: Any) -> float:
+        return 1.0
+
+    runner = Runner(agent, "127.0.0.1:1", connect_timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(UnavailableError, match=r"cannot reach the store at 127\.0\.0\.1:1 within 0\.5 s"):
+        await runner.run()
+    assert time.monotonic() - started < 10

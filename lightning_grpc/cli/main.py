@@ -146,6 +146,12 @@ def add_runner_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--max-rollouts", type=int, help="stop each runner after this many rollouts")
     p.add_argument("--heartbeat-interval", type=float, default=5.0, help="seconds between attempt heartbeats")
     p.add_argument("--poll-wait", type=float, default=2.0, help="long-poll wait of each dequeue, seconds")
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the store at start-up before giving up (once connected, it reconnects)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=run_runner)
 
@@ -164,7 +170,11 @@ def run_runner(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         token=args.token or None,
         max_rollouts=args.max_rollouts,
-        options={"heartbeat_interval": args.heartbeat_interval, "poll_wait": args.poll_wait},
+        options={
+            "heartbeat_interval": args.heartbeat_interval,
+            "poll_wait": args.poll_wait,
+            "connect_timeout": args.connect_timeout,
+        },
     )
     from lightning_grpc.runner import load_agent
 

@@ -119,6 +119,17 @@ class StoreClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def wait_until_reachable(self, timeout: float) -> None:
+        """Return once a connection to the store is up; :class:`UnavailableError` after ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        except TimeoutError:
+            raise UnavailableError(
+                f"cannot reach the store at {self.config.target} within {timeout:g} s "
+                "(is it running, and is the address right?)",
+                reason="STORE_UNREACHABLE",
+            ) from None
+
     async def __aenter__(self) -> StoreClient:
         return self
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_grpc.errors import LightningError
+
 from .agent import LitAgent, rollout
 from .runner import Runner, run_forever
 
@@ -81,7 +83,11 @@ def _process_main(spec: RunnerSpec) -> None:
     configure_logging(os.environ.get("LIGHTNING_GRPC_LOG_LEVEL", "INFO"))
     runner = spec.build()
     if not stopped.is_set():
-        run_forever(runner, stopped)
+        try:
+            run_forever(runner, stopped)
+        except LightningError as exc:  # e.g. the store cannot be reached: one line, no traceback
+            log.error("event=runner_failed error=%s: %s", exc.reason, exc.message)
+            sys.exit(2)
 
 
 def run_processes(spec: RunnerSpec, processes: int) -> int:

@@ -75,6 +75,7 @@ class Runner:
         drain_timeout: float = 30.0,
         token: str | None = None,
         include_gpu_stats: bool = True,
+        connect_timeout: float = 30.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -89,6 +90,8 @@ class Runner:
         self.max_rollouts = max_rollouts
         self.drain_timeout = drain_timeout
         self.include_gpu_stats = include_gpu_stats
+        #: At start-up, how long to wait for the store before giving up (later, it reconnects for ever).
+        self.connect_timeout = connect_timeout
         self.completed = 0
         self._stop = asyncio.Event() if _loop_running() else None
         self._active: dict[str, asyncio.Task[RolloutOutcome]] = {}
@@ -113,6 +116,12 @@ class Runner:
         self._stop = self._stop or asyncio.Event()
         self._outcomes = asyncio.Queue()
         self._client = StoreClient(self.config)
+        try:
+            await self._client.wait_until_reachable(self.connect_timeout)
+        except LightningError:
+            self._started = False
+            await self._client.close()
+            raise
         self._processor = install_tracing()
         self._streamer = self._processor.streamer_for(self.config.target, self.config.token)
         await _maybe_await(self.agent.setup())
