@@ -131,8 +131,8 @@ def config_from_pb(c: rollout_pb2.RolloutConfig) -> t.RolloutConfig:
 def _attempt_status(value: int) -> t.AttemptStatus:
     try:
         return t.AttemptStatus(value)
-    except ValueError:
-        return t.AttemptStatus.UNSPECIFIED
+    except ValueError:  # an unknown number stays itself: the store refuses it, naming the number
+        return value  # type: ignore[return-value]
 
 
 def config_to_pb(c: t.RolloutConfig, out: rollout_pb2.RolloutConfig) -> None:

@@ -86,6 +86,7 @@ class RolloutConfig:
 
     timeout: float | None = None
     unresponsive_timeout: float | None = None
+    #: Attempts in all, the first included; 0 means 1 (as on the wire, where 0 is "not set").
     max_attempts: int = 1
     retry_on: tuple[AttemptStatus, ...] = ()
 

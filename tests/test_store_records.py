@@ -68,6 +68,11 @@ async def test_enqueue_many_keeps_order_and_validates_before_storing_anything(cl
     with pytest.raises(InvalidArgumentError) as bad_retry:
         await client.enqueue_rollout(1, config=RolloutConfig(retry_on=(AttemptStatus.SUCCEEDED,)))
     assert bad_retry.value.field == "rollouts[0].config.retry_on[0]"
+    assert "got SUCCEEDED" in bad_retry.value.message
+    unknown = RolloutConfig(retry_on=(99,))  # type: ignore[arg-type]  # a number no status has, as a raw client may send
+    with pytest.raises(InvalidArgumentError, match="got 99") as bad_number:
+        await client.enqueue_rollout(1, config=unknown)
+    assert bad_number.value.field == "rollouts[0].config.retry_on[0]"
     with pytest.raises(InvalidArgumentError):
         await client.enqueue_rollout(1, rollout_id="has space")
     assert (await client.statistics()).total_rollouts == 4

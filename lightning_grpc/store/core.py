@@ -402,8 +402,9 @@ class Store:
         retry_on = []
         for i, status in enumerate(config.retry_on):
             if status not in RETRYABLE_ATTEMPT_STATUSES:
+                got = status.name if isinstance(status, AttemptStatus) else repr(status)
                 raise InvalidArgumentError(
-                    f"{field}.retry_on[{i}]", f"must be FAILED, TIMEOUT or UNRESPONSIVE (got {status!r})"
+                    f"{field}.retry_on[{i}]", f"must be FAILED, TIMEOUT or UNRESPONSIVE (got {got})"
                 )
             if status not in retry_on:
                 retry_on.append(status)
