@@ -83,14 +83,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.set_defaults(func=_runs(show_stats))
 
 
-def _common_options() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
+def add_store_option(p: argparse.ArgumentParser, what: str = "the store server") -> None:
+    """``--store HOST:PORT``, from $LIGHTNING_GRPC_STORE when set (every command that talks to a store)."""
+    p.add_argument(
         "--store",
         default=os.environ.get("LIGHTNING_GRPC_STORE") or DEFAULT_STORE,
         metavar="HOST:PORT",
-        help=f"the store server (default: $LIGHTNING_GRPC_STORE or {DEFAULT_STORE})",
+        help=f"{what} (default: $LIGHTNING_GRPC_STORE or {DEFAULT_STORE})",
     )
+
+
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    add_store_option(common)
     common.add_argument(
         "--token",
         default=os.environ.get("LIGHTNING_GRPC_TOKEN"),

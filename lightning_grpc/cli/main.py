@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_grpc.cli import proxy_commands
+from lightning_grpc.cli.inspect import add_store_option
 from lightning_grpc.errors import LightningError
 from lightning_grpc.processes import stop_with_parent
 
@@ -120,12 +121,7 @@ def add_runner_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument(
         "agent", help="module:name or path/file.py:name (a @rollout function, LitAgent, or its class)"
     )
-    p.add_argument(
-        "--store",
-        default=os.environ.get("LIGHTNING_GRPC_STORE", "127.0.0.1:4747"),
-        metavar="HOST:PORT",
-        help="the store to take rollouts from ($LIGHTNING_GRPC_STORE)",
-    )
+    add_store_option(p, "the store to take rollouts from")
     p.add_argument(
         "--token",
         default=os.environ.get("LIGHTNING_GRPC_TOKEN"),

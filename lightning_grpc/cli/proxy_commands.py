@@ -14,6 +14,8 @@ import os
 import urllib.request
 from typing import Any
 
+from lightning_grpc.cli.inspect import add_store_option
+
 log = logging.getLogger("lightning_grpc.cli")
 
 DEFAULT_HTTP_PORT = 4748
@@ -92,12 +94,7 @@ def _backend_options(p: argparse.ArgumentParser, prefix: str) -> None:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("proxy", help="run the LLM proxy (OpenAI-compatible HTTP, recorded into a store)")
-    p.add_argument(
-        "--store",
-        default=os.environ.get("LIGHTNING_GRPC_STORE", "127.0.0.1:4747"),
-        metavar="HOST:PORT",
-        help="the store the calls are recorded into ($LIGHTNING_GRPC_STORE)",
-    )
+    add_store_option(p, "the store the calls are recorded into")
     p.add_argument(
         "--token",
         default=os.environ.get("LIGHTNING_GRPC_TOKEN"),

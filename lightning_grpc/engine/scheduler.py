@@ -158,6 +158,28 @@ class _WeightUpdate:
 
 
 # ---------------------------------------------------------------- the scheduler
+def prefill(
+    model: Any, prompts: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """One forward pass over left-padded prompts: (float32 next-token logits [B, V], KV cache, mask [B, W])."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    cache = DynamicCache()
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1, :].float(), cache, mask
+
+
 class Scheduler:
     """Owns the model in one thread; ``submit`` and ``update_weights`` may be called from any thread."""
 
@@ -315,22 +337,7 @@ class Scheduler:
     def _prefill(self, seqs: list[_Sequence]) -> None:
         unique: dict[tuple[int, ...], int] = {}
         rows = [unique.setdefault(tuple(s.prompt), len(unique)) for s in seqs]
-        width = max(len(p) for p in unique)
-        ids = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(unique), width), dtype=torch.long)
-        for row, prompt in enumerate(unique):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1, :].float()
+        logits, cache, mask = prefill(self.model, list(unique), self.pad_id)
         if rows != list(range(len(unique))):
             index = torch.tensor(rows, dtype=torch.long)
             logits, mask = logits[index], mask[index]

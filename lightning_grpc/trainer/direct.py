@@ -46,6 +46,7 @@ import torch
 
 from lightning_grpc.adapter import Triplet, rows_from_triplets
 from lightning_grpc.engine.protocol import SamplingParams
+from lightning_grpc.engine.scheduler import prefill
 from lightning_grpc.engine.text import OutputText
 from lightning_grpc.examples import combination_lock as lock
 
@@ -156,24 +157,7 @@ class DirectGenerator:
         batch = len(prompts)
         if batch == 0:
             return []
-        width = max(len(p) for p in prompts)
-        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1, :].float()
+        logits, cache, mask = prefill(self.model, prompts, self.pad_id)
         greedy = sampling.temperature == 0.0
         generators = [None if greedy else torch.Generator().manual_seed(s % SEED_MODULUS) for s in seeds]
         params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature)

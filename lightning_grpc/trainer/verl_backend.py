@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .experiment import ConfigError, ExperimentConfig
+from .tensors import INDEX_ARRAYS
 
 if TYPE_CHECKING:  # the client module imports gRPC; only its batch type is needed here
     from lightning_grpc.client.trainer import TrainingBatch
@@ -212,15 +213,7 @@ def data_proto(batch: TrainingBatch, *, temperature: float) -> Any:
     arrays = batch.arrays
     tensors = {
         name: torch.from_numpy(np.ascontiguousarray(arrays[name]))
-        for name in (
-            "prompts",
-            "responses",
-            "input_ids",
-            "attention_mask",
-            "position_ids",
-            "response_mask",
-            "token_level_scores",
-        )
+        for name in (*INDEX_ARRAYS, "token_level_scores")
     }
     tensors["rm_scores"] = tensors["token_level_scores"].clone()
     if "rollout_log_probs" in arrays:
