@@ -7,10 +7,64 @@ reason back into the same class. Messages are for developers and never carry a t
 
 from __future__ import annotations
 
+import enum
 from typing import ClassVar
 
 #: The ErrorInfo domain of every error this project raises. Part of the contract.
 ERROR_DOMAIN = "lightning-grpc.dev"
+
+
+class Reason(enum.StrEnum):
+    """Every ErrorInfo reason this project sends: the stable, machine-readable part of an error.
+
+    Members compare equal to their strings, so ``error.reason == Reason.ROLLOUT_NOT_FOUND`` holds
+    whether the error was raised here or rebuilt by a client from the wire.
+    """
+
+    # one per status code: the reason when nothing more precise applies
+    NOT_FOUND = "NOT_FOUND"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    ABORTED = "ABORTED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    INTERNAL = "INTERNAL"
+    UNKNOWN = "UNKNOWN"
+    # the store
+    ROLLOUT_NOT_FOUND = "ROLLOUT_NOT_FOUND"
+    ROLLOUT_ALREADY_EXISTS = "ROLLOUT_ALREADY_EXISTS"
+    ROLLOUT_FINISHED = "ROLLOUT_FINISHED"
+    ROLLOUT_NOT_FINISHED = "ROLLOUT_NOT_FINISHED"
+    ATTEMPT_NOT_FOUND = "ATTEMPT_NOT_FOUND"
+    ATTEMPT_ALREADY_ENDED = "ATTEMPT_ALREADY_ENDED"
+    ATTEMPT_STILL_ACTIVE = "ATTEMPT_STILL_ACTIVE"
+    RESOURCES_NOT_FOUND = "RESOURCES_NOT_FOUND"
+    RESOURCES_ALREADY_EXIST = "RESOURCES_ALREADY_EXIST"
+    RESOURCES_VERSION_MISMATCH = "RESOURCES_VERSION_MISMATCH"
+    WORKER_NOT_FOUND = "WORKER_NOT_FOUND"
+    RESUME_TOKEN_EXPIRED = "RESUME_TOKEN_EXPIRED"
+    SEQUENCE_IDS_EXHAUSTED = "SEQUENCE_IDS_EXHAUSTED"
+    SPAN_TOO_LARGE = "SPAN_TOO_LARGE"
+    STORE_MEMORY_FULL = "STORE_MEMORY_FULL"
+    STORAGE_FAILED = "STORAGE_FAILED"
+    STORE_CLOSED = "STORE_CLOSED"
+    # the server and its clients
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    BAD_TOKEN = "BAD_TOKEN"
+    STORE_UNREACHABLE = "STORE_UNREACHABLE"
+    # the proxy
+    ATTEMPT_FINISHED = "ATTEMPT_FINISHED"
+    MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+    NO_BACKENDS = "NO_BACKENDS"
+
+
+#: Reasons that make an error worth retrying although its status code alone does not: the
+#: in-memory store frees room as rollouts are deleted, so a memory-full write can succeed later.
+TRANSIENT_REASONS: frozenset[str] = frozenset({Reason.STORE_MEMORY_FULL})
 
 
 class LightningError(Exception):
@@ -18,12 +72,22 @@ class LightningError(Exception):
 
     code_name: ClassVar[str] = "UNKNOWN"
     default_reason: ClassVar[str] = "UNKNOWN"
+    #: Whether an error of this class is worth retrying as such (the same request may succeed later).
+    retryable: ClassVar[bool] = False
 
     def __init__(self, message: str, *, reason: str | None = None, **metadata: str) -> None:
         super().__init__(message)
         self.message = message
-        self.reason = reason or self.default_reason
+        self.reason = str(reason or self.default_reason)
         self.metadata = {k: str(v) for k, v in metadata.items()}
+
+    @property
+    def transient(self) -> bool:
+        """Whether sending the same request again may succeed: the one retry-or-give-up decision.
+
+        Every sender (span stream, OTLP receiver, proxy recorder, runner) asks this and nothing else.
+        """
+        return self.retryable or self.reason in TRANSIENT_REASONS
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.reason}: {self.message})"
@@ -96,6 +160,7 @@ class UnavailableError(LightningError):
 
     code_name = "UNAVAILABLE"
     default_reason = "UNAVAILABLE"
+    retryable = True
 
 
 class DeadlineExceededError(LightningError):
@@ -103,6 +168,7 @@ class DeadlineExceededError(LightningError):
 
     code_name = "DEADLINE_EXCEEDED"
     default_reason = "DEADLINE_EXCEEDED"
+    retryable = True
 
 
 class InternalError(LightningError):
@@ -131,6 +197,10 @@ STATUS_OF: dict[type[LightningError], str] = {cls: cls.code_name for cls in ERRO
 
 #: The reverse, for clients: status code name -> class (reasons refine the message, not the class).
 CLASS_OF_STATUS: dict[str, type[LightningError]] = {cls.code_name: cls for cls in ERROR_CLASSES}
+
+#: Status codes a gRPC client may retry on its own (service-config retry policy): only a server
+#: that could not take the call at all. A deadline is the caller's budget, so not retried by gRPC.
+TRANSPARENT_RETRY_CODES: tuple[str, ...] = (UnavailableError.code_name,)
 
 
 def error_from_status(code_name: str, message: str, reason: str, metadata: dict[str, str]) -> LightningError:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from lightning_grpc.errors import TRANSPARENT_RETRY_CODES
+
 #: Methods safe to retry on UNAVAILABLE: reads, and writes the client makes idempotent
 #: (generated rollout/resources ids, dequeue request ids, span ids, fenced attempt reports).
 IDEMPOTENT_METHODS = (
@@ -98,7 +100,7 @@ class ClientConfig:
                             "initialBackoff": f"{r.initial_backoff}s",
                             "maxBackoff": f"{r.max_backoff}s",
                             "backoffMultiplier": r.backoff_multiplier,
-                            "retryableStatusCodes": ["UNAVAILABLE"],
+                            "retryableStatusCodes": list(TRANSPARENT_RETRY_CODES),
                         },
                     }
                 ]

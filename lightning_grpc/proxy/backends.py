@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
-from lightning_grpc.errors import InvalidArgumentError, NotFoundError
+from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason
 
 
 class BackendDialect(enum.IntEnum):
@@ -135,10 +135,12 @@ class BackendTable:
         if not requested and len(names) == 1:
             return names[0]
         if not names:
-            raise NotFoundError("the proxy has no backends; set them with SetBackends", reason="NO_BACKENDS")
+            raise NotFoundError(
+                "the proxy has no backends; set them with SetBackends", reason=Reason.NO_BACKENDS
+            )
         raise NotFoundError(
             f"model {requested!r} is not served here; the models are {', '.join(names)}",
-            reason="MODEL_NOT_FOUND",
+            reason=Reason.MODEL_NOT_FOUND,
             model=requested,
         )
 
@@ -146,7 +148,7 @@ class BackendTable:
         """The backend for a call: sticky per rollout, else the least busy."""
         pool = self._by_model.get(model_name)
         if not pool:
-            raise NotFoundError(f"model {model_name!r} has no backend", reason="MODEL_NOT_FOUND")
+            raise NotFoundError(f"model {model_name!r} has no backend", reason=Reason.MODEL_NOT_FOUND)
         if len(pool) == 1:
             return pool[0]
         if rollout_id:

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.client.local import LocalStoreClient
-from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, Reason
 from lightning_grpc.types import LLM, Attempt, ProxyLLM
 
 from .attempts import AttemptGate
@@ -237,7 +237,7 @@ class LLMProxy:
         if not attempt.status.is_active:
             raise FailedPreconditionError(
                 f"attempt {attempt_id} of rollout {rollout_id} already ended as {attempt.status}",
-                reason="ATTEMPT_FINISHED",
+                reason=Reason.ATTEMPT_FINISHED,
             )
         return self.proxy_llm(model).for_attempt(rollout_id, attempt_id)
 
@@ -258,7 +258,7 @@ class LLMProxy:
                 return attempt
         raise NotFoundError(
             f"rollout {rollout_id} has no attempt {attempt_id}",
-            reason="ATTEMPT_NOT_FOUND",
+            reason=Reason.ATTEMPT_NOT_FOUND,
             rollout_id=rollout_id,
             attempt_id=attempt_id,
         )

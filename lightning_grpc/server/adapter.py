@@ -24,6 +24,7 @@ from lightning_grpc.errors import (
     InternalError,
     InvalidArgumentError,
     LightningError,
+    Reason,
     UnavailableError,
 )
 
@@ -58,7 +59,9 @@ async def abort(context: grpc.aio.ServicerContext, error: LightningError) -> Non
 
 def _internal(method: str, exc: BaseException) -> LightningError:
     log.error("event=rpc_internal_error method=%s error=%r", method, exc, exc_info=exc)
-    return InternalError("internal error in the store; the server log has the details", reason="INTERNAL")
+    return InternalError(
+        "internal error in the store; the server log has the details", reason=Reason.INTERNAL
+    )
 
 
 class Undecodable:
@@ -97,7 +100,7 @@ class ServicerState:
 def _refuse_if_draining(servicer: Any) -> None:
     if getattr(servicer, "shutting_down", False):
         raise UnavailableError(
-            "the server is shutting down; retry on another server or later", reason="SHUTTING_DOWN"
+            "the server is shutting down; retry on another server or later", reason=Reason.SHUTTING_DOWN
         )
 
 

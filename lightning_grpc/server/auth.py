@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from lightning_grpc.errors import UnauthenticatedError
+from lightning_grpc.errors import Reason, UnauthenticatedError
 
 from .adapter import status_for
 
@@ -42,7 +42,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 def _refusing(handler: grpc.RpcMethodHandler | None, why: str) -> grpc.RpcMethodHandler:
     status = status_for(
-        UnauthenticatedError(f"{why}; send 'authorization: Bearer <token>'", reason="BAD_TOKEN")
+        UnauthenticatedError(f"{why}; send 'authorization: Bearer <token>'", reason=Reason.BAD_TOKEN)
     )
 
     async def refuse_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_grpc.adapter import Aggregated, RolloutTriplets, rows_from_triplets
-from lightning_grpc.errors import InvalidArgumentError, NotFoundError
+from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason
 from lightning_grpc.store import Store
 from lightning_grpc.types import Rollout, RolloutConfig, RolloutMode, RolloutSpec, RolloutStatus
 
@@ -378,7 +378,7 @@ class TrainerCore:
             if not rollout_id:
                 raise InvalidArgumentError("rollout_id", "is required")
             raise NotFoundError(
-                f"rollout {rollout_id} not found", reason="ROLLOUT_NOT_FOUND", rolloutId=rollout_id
+                f"rollout {rollout_id} not found", reason=Reason.ROLLOUT_NOT_FOUND, rolloutId=rollout_id
             )
         await self.store.durable()
         triplets = await self.prepared.triplets(snapshot, options.adapter_config)
