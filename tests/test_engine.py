@@ -433,9 +433,10 @@ def perturbed_checkpoint(model_dir: Path, out: Path) -> Path:
 async def test_init_model_refuses_to_overwrite_a_model_without_force(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from lightning_grpc import logs
     from lightning_grpc.cli import main as cli
 
-    monkeypatch.setattr(cli, "configure_logging", lambda level="INFO": None)
+    monkeypatch.setattr(logs, "configure_logging", lambda level="INFO": None)
     path = tmp_path / "model"
     build = ["init-model", str(path), "--vocab-size", "300"]
     assert await asyncio.to_thread(cli.main, [*build, "--seed", "1"]) == 0
@@ -450,9 +451,10 @@ async def test_init_model_refuses_to_overwrite_a_model_without_force(
 async def test_init_model_cli_then_an_engine_subprocess(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from lightning_grpc import logs
     from lightning_grpc.cli import main as cli
 
-    monkeypatch.setattr(cli, "configure_logging", lambda level="INFO": None)  # keep pytest's logging
+    monkeypatch.setattr(logs, "configure_logging", lambda level="INFO": None)  # keep pytest's logging
     path = tmp_path / "llama"
     args = ["init-model", str(path), "--arch", "llama", "--vocab-size", "512", "--seed", "3"]
     with caplog.at_level(logging.INFO, logger="lightning_grpc.engine"):

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from lightning_grpc.cli.main import OneLineFormatter
+from lightning_grpc.logs import OneLineFormatter
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 

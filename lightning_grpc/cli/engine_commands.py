@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from lightning_grpc import logs
+
 log = logging.getLogger("lightning_grpc.engine")
 
 
@@ -61,9 +63,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
 
 def run_init_model(args: argparse.Namespace) -> int:
-    from lightning_grpc.cli.main import configure_logging
-
-    configure_logging(args.log_level)
+    logs.configure_logging(args.log_level)
     _offline()
     from lightning_grpc.engine.tiny import build_tiny_model
 
@@ -91,9 +91,7 @@ def run_init_model(args: argparse.Namespace) -> int:
 
 
 def run_engine(args: argparse.Namespace) -> int:
-    from lightning_grpc.cli.main import configure_logging
-
-    configure_logging(args.log_level)
+    logs.configure_logging(args.log_level)
     _offline()
     from lightning_grpc.engine.server import EngineConfig, serve_forever
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_grpc import logs
 from lightning_grpc.cli import proxy_commands
 from lightning_grpc.cli.inspect import add_store_option
 from lightning_grpc.errors import LightningError
@@ -41,21 +42,6 @@ def parse_size(text: str) -> int:
     if unit not in SIZE_UNITS or not digits:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 512MiB or 2GB")
     return int(float(digits) * SIZE_UNITS[unit])
-
-
-class OneLineFormatter(logging.Formatter):
-    """Every record on one line: an exception's traceback is folded into it with ' | '."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return super().format(record).replace("\n", " | ")
-
-
-def configure_logging(level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
-    for chatty in ("httpx", "httpcore"):  # one INFO line per HTTP request an agent makes
-        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -91,7 +77,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 def run_serve(args: argparse.Namespace) -> int:
     from lightning_grpc.server.app import ServerConfig, TlsFiles, serve
 
-    configure_logging(args.log_level)
+    logs.configure_logging(args.log_level)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("error: --tls-cert and --tls-key go together")
     tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
@@ -156,7 +142,7 @@ def run_runner(args: argparse.Namespace) -> int:
     from lightning_grpc.runner import RunnerSpec, run_processes
     from lightning_grpc.runner.fleet import run_ray
 
-    configure_logging(args.log_level)
+    logs.configure_logging(args.log_level)
     os.environ["LIGHTNING_GRPC_LOG_LEVEL"] = args.log_level
     if args.concurrency < 1 or args.processes < 1:
         raise SystemExit("error: --concurrency and --processes must be at least 1")

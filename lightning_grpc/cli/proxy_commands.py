@@ -14,6 +14,7 @@ import os
 import urllib.request
 from typing import Any
 
+from lightning_grpc import logs
 from lightning_grpc.cli.inspect import add_store_option
 
 log = logging.getLogger("lightning_grpc.cli")
@@ -180,12 +181,11 @@ def proxy_config(args: argparse.Namespace, host: str, port: int, store: Any = ""
 
 
 def run_proxy(args: argparse.Namespace) -> int:
-    from lightning_grpc.cli.main import configure_logging
     from lightning_grpc.client import ClientConfig
     from lightning_grpc.errors import InvalidArgumentError
     from lightning_grpc.proxy import serve_proxy
 
-    configure_logging(args.log_level)
+    logs.configure_logging(args.log_level)
     store = ClientConfig(target=args.store, token=args.token or None)
     try:
         config = proxy_config(args, args.host, args.port, store)

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_grpc import logs
+
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("train", help="run a training experiment described by a TOML or YAML file")
@@ -56,11 +58,10 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from lightning_grpc.cli.main import configure_logging
-    from lightning_grpc.trainer.experiment import ConfigError, load_experiment
-    from lightning_grpc.trainer.loop import run_experiment
+    from lightning_grpc.training.experiment import ConfigError, load_experiment
+    from lightning_grpc.training.loop import run_experiment
 
-    configure_logging(args.log_level)
+    logs.configure_logging(args.log_level)
     try:
         config = load_experiment(args.config, parse_overrides(args.set))
     except ConfigError as exc:
@@ -80,8 +81,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_train_with_verl(args: argparse.Namespace, config: Any) -> int:
-    from lightning_grpc.trainer.experiment import ConfigError
-    from lightning_grpc.trainer.verl_backend import VerlUnavailable, run_verl, verl_config
+    from lightning_grpc.training.experiment import ConfigError
+    from lightning_grpc.training.verl_backend import VerlUnavailable, run_verl, verl_config
 
     if args.resume is not None:
         print("error: with --backend verl the run resumes from verl's own checkpoints", file=sys.stderr)

@@ -9,9 +9,10 @@ through; other OpenAI-compatible backends go through LiteLLM. LiteLLM is not use
 because its vLLM streaming path drops ``prompt_token_ids`` from the chunks (see :mod:`.upstream`).
 """
 
+from .app import LLMProxy
 from .backends import Backend, BackendDialect, BackendStats, BackendTable
 from .client import ProxyClient
-from .core import LLMProxy, ProxyConfig, ProxyStatus
+from .core import ProxyConfig, ProxyCore, ProxyStatus
 from .server import RunningProxy, serve_proxy, serve_with_store, start_proxy_server, start_with_store
 from .service import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
@@ -24,6 +25,7 @@ __all__ = [
     "LLMProxy",
     "ProxyClient",
     "ProxyConfig",
+    "ProxyCore",
     "ProxyServicer",
     "ProxyStatus",
     "RunningProxy",

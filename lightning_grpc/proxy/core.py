@@ -1,6 +1,8 @@
-"""The LLM proxy: its state (backends, pause, counts), its control operations, start and stop.
+"""The LLM proxy's core: its state (backends, pause, counts), its control operations, its store.
 
-The HTTP side is in :mod:`.http`; the gRPC ProxyService that controls it is in :mod:`.service`.
+It knows nothing of HTTP or gRPC. :mod:`.http` answers the OpenAI-compatible routes over it,
+:mod:`.app` listens for HTTP (``LLMProxy``), and the gRPC ProxyService in
+:mod:`lightning_grpc.server` controls it.
 """
 
 from __future__ import annotations
@@ -9,8 +11,6 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-from aiohttp import web
 
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.client.local import LocalStoreClient
@@ -64,8 +64,8 @@ class ProxyStatus:
     spans_dropped: int
 
 
-class LLMProxy:
-    """Create it, then ``await start()`` inside the event loop that serves it."""
+class ProxyCore:
+    """What the proxy knows and decides, with no HTTP listener: :class:`~.app.LLMProxy` adds that."""
 
     def __init__(self, config: ProxyConfig) -> None:
         if config.unattributed not in ("forward", "refuse"):
@@ -89,48 +89,22 @@ class LLMProxy:
             retry, connect_timeout=config.connect_timeout, read_timeout=config.read_timeout
         )
         self.litellm = LiteLLMClient(retries=config.retries, timeout=config.read_timeout)
-        self._runner: web.AppRunner | None = None
-        self.port = 0
+        self.port = 0  # the bound HTTP port, once listening
 
-    # ------------------------------------------------------------ life cycle
-    async def start(self, store: str | ClientConfig | LocalStoreClient | None = None) -> LLMProxy:
-        """Connect to the Store (``store`` overrides the configured one; a :class:`LocalStoreClient` for a
-        Store in this process) and listen for HTTP."""
-        from .http import build_app
+    # ------------------------------------------------------------ store connection
+    def connect(self, store: str | ClientConfig | LocalStoreClient | None = None) -> str:
+        """Open the Store client, the span recorder and the attempt gate; returns where the store is.
 
+        ``store`` overrides the configured store; a :class:`LocalStoreClient` is a Store in this process.
+        """
         target = store if store is not None else self.config.store
         self.store = target if isinstance(target, LocalStoreClient) else StoreClient(target)
         self.recorder = SpanRecorder(self.store).start()
         self.gate = AttemptGate(self.store)
-        self._runner = web.AppRunner(
-            build_app(self), access_log=None, handle_signals=False, shutdown_timeout=5.0
-        )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        try:
-            await site.start()
-        except OSError as exc:
-            await self._close_clients()
-            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from None
-        self.port = _bound_port(self._runner)
-        log.info(
-            "event=proxy_started http_address=%s backends=%d store=%s",
-            self.base_url,
-            len(self.table.backends),
-            target if isinstance(target, str) else getattr(target, "target", "in-process"),
-        )
-        return self
+        return target if isinstance(target, str) else getattr(target, "target", "in-process")
 
-    async def stop(self, grace: float = 10.0) -> None:
-        """Pause, let calls in flight finish (up to ``grace`` s), write the queued spans, close."""
-        self.pause("shutting down")
-        left = await self.drain(grace)
-        if self._runner is not None:
-            await self._runner.cleanup()
-        await self._close_clients(grace)
-        log.info("event=proxy_stopped in_flight_abandoned=%d", left)
-
-    async def _close_clients(self, grace: float = 10.0) -> None:
+    async def close_clients(self, grace: float = 10.0) -> None:
+        """Write the queued spans (up to ``grace`` s) and close every outgoing client."""
         if self.recorder is not None:
             await self.recorder.close(grace)
         await self.direct.close()
@@ -262,10 +236,3 @@ class LLMProxy:
             rollout_id=rollout_id,
             attempt_id=attempt_id,
         )
-
-
-def _bound_port(runner: web.AppRunner) -> int:
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            return int(address[1])
-    raise OSError("the proxy's HTTP site has no address")

@@ -30,7 +30,7 @@ from . import sse
 from .attempts import Refused
 from .backends import Backend, BackendDialect
 from .capture import Kind
-from .core import LLMProxy
+from .core import ProxyCore
 from .spans import CallRecord, llm_call_span, trace_context
 from .upstream import BackendUnreachable, UpstreamCall
 
@@ -38,7 +38,7 @@ log = logging.getLogger("lightning_grpc.proxy")
 
 PATHS: dict[Kind, str] = {"chat": "chat/completions", "completion": "completions"}
 LOGPROB_MODES = (RolloutMode.TRAIN, RolloutMode.UNSPECIFIED)
-PROXY_KEY: web.AppKey[LLMProxy] = web.AppKey("proxy", LLMProxy)
+PROXY_KEY: web.AppKey[ProxyCore] = web.AppKey("proxy", ProxyCore)
 
 
 def error_response(
@@ -53,7 +53,7 @@ def error_response(
     return web.json_response(body, status=status, headers=headers)
 
 
-def build_app(proxy: LLMProxy) -> web.Application:
+def build_app(proxy: ProxyCore) -> web.Application:
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app[PROXY_KEY] = proxy
     for prefix in ("", "/rollout/{rollout_id}/attempt/{attempt_id}"):
@@ -119,7 +119,7 @@ def _error_message(body: Any, fallback: str) -> str:
 class Call:
     """One request to a completion route, from admission to its recorded span."""
 
-    def __init__(self, proxy: LLMProxy, request: web.Request, kind: Kind) -> None:
+    def __init__(self, proxy: ProxyCore, request: web.Request, kind: Kind) -> None:
         self.proxy = proxy
         self.request = request
         self.kind = kind

@@ -19,7 +19,8 @@ from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
 from lightning_grpc.server.auth import BearerTokenInterceptor
 
-from .core import LLMProxy, ProxyConfig
+from .app import LLMProxy
+from .core import ProxyConfig
 from .service import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
 log = logging.getLogger("lightning_grpc.proxy")

@@ -10,8 +10,8 @@ from lightning_grpc.server.app import ServiceHook
 from lightning_grpc.v1 import proxy_service_pb2 as pb
 from lightning_grpc.v1 import proxy_service_pb2_grpc as pb_grpc
 
+from .app import LLMProxy
 from .backends import Backend, BackendDialect
-from .core import LLMProxy
 
 PROXY_SERVICE = pb.DESCRIPTOR.services_by_name["ProxyService"].full_name
 Ctx = grpc.aio.ServicerContext

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_grpc import logs
 from lightning_grpc.errors import LightningError
 
 from .agent import LitAgent, rollout
@@ -78,9 +79,7 @@ def _process_main(spec: RunnerSpec) -> None:
     stopped = threading.Event()  # a SIGTERM that arrives while this process is still starting
     signal.signal(signal.SIGTERM, lambda _s, _f: stopped.set())
     signal.signal(signal.SIGINT, lambda _s, _f: stopped.set())
-    from lightning_grpc.cli.main import configure_logging
-
-    configure_logging(os.environ.get("LIGHTNING_GRPC_LOG_LEVEL", "INFO"))
+    logs.configure_logging(os.environ.get("LIGHTNING_GRPC_LOG_LEVEL", "INFO"))
     runner = spec.build()
     if not stopped.is_set():
         try:
