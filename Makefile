@@ -54,7 +54,7 @@ bench: $(STAMP)
 	$(PY) bench/run.py $(if $(QUICK),--quick,)
 
 # The project with its `verl` extra (verl 0.9.1 on CPU) in a second environment: the verl backend's tests
-# and the parity test of lightning_grpc/trainer/ppo.py against verl's core_algos (`make test` skips them,
+# and the parity test of lightning_grpc/training/ppo.py against verl's core_algos (`make test` skips them,
 # saying so; the first `make verl-env` downloads ~1 GB from PyPI).
 VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed

@@ -5,7 +5,7 @@
 Ours: the demo's loop (``examples/combination_lock/config.toml``) through the whole system: the engine,
 the server (Store, Trainer, proxy), a runner fleet playing the agent with the official OpenAI client, and
 the learner, in the demo's mode (async: the next groups are generated during the update) and, as a
-second figure, in the other mode. The peer: ``lightning_grpc.trainer.direct``, the same episodes generated in-process with the
+second figure, in the other mode. The peer: ``lightning_grpc.training.direct``, the same episodes generated in-process with the
 same model and sampling rules and trained by the same learner. Both start from the same freshly built tiny
 model and run the same number of steps of ``batch_size`` groups x ``group_size`` rollouts, without
 validation. Reported: rollouts per second of each loop (the peer's over generation and update only), their
@@ -30,8 +30,8 @@ CONFIG = ROOT / "examples" / "combination_lock" / "config.toml"
 
 
 def ours(model: Path, steps: int, out: Path, mode: str | None = None) -> dict[str, Any]:
-    from lightning_grpc.trainer.experiment import load_experiment
-    from lightning_grpc.trainer.loop import run_experiment
+    from lightning_grpc.training.experiment import load_experiment
+    from lightning_grpc.training.loop import run_experiment
 
     config = load_experiment(
         CONFIG,
@@ -81,8 +81,8 @@ def _without_validation(config: Any) -> Any:
 
 def peer(model: Path, steps: int) -> dict[str, Any]:
     from lightning_grpc.examples.combination_lock import read_jsonl
-    from lightning_grpc.trainer.direct import DirectConfig, run_direct
-    from lightning_grpc.trainer.experiment import load_experiment
+    from lightning_grpc.training.direct import DirectConfig, run_direct
+    from lightning_grpc.training.experiment import load_experiment
 
     config = load_experiment(CONFIG)
     direct = DirectConfig(

@@ -17,4 +17,4 @@ test -x "$PY" || python3 -m venv "$VENV_DIR"
 # The project, its verl extra (verl[verl-core]==0.9.1, transformers <5.11) and its dev tools, resolved
 # together so every pin holds at once (LiteLLM's included).
 "$PY" -m pip install --quiet -e ".[verl,dev]"
-"$PY" -c 'import verl, verl.trainer.ppo.ray_trainer, lightning_grpc.trainer.verl_backend as b; print("verl", verl.__version__, "with lightning-grpc: the verl backend imports on CPU")'
+"$PY" -c 'import verl, verl.trainer.ppo.ray_trainer, lightning_grpc.training.verl_backend as b; print("verl", verl.__version__, "with lightning-grpc: the verl backend imports on CPU")'

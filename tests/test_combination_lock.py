@@ -203,7 +203,7 @@ def test_direct_generation_samples_as_the_engine_does(tiny_model: Path) -> None:
     from lightning_grpc.engine.protocol import SamplingParams
     from lightning_grpc.engine.scheduler import Scheduler, StepEvent, Submission
     from lightning_grpc.engine.server import load_model, load_tokenizer, stop_token_ids
-    from lightning_grpc.trainer.direct import DirectGenerator, Sampling
+    from lightning_grpc.training.direct import DirectGenerator, Sampling
 
     torch.set_num_threads(1)
     model, tokenizer = load_model(tiny_model), load_tokenizer(tiny_model)
@@ -244,7 +244,7 @@ def test_direct_generation_samples_as_the_engine_does(tiny_model: Path) -> None:
 
 
 def _direct_config(model: Path, **overrides: Any) -> Any:
-    from lightning_grpc.trainer.direct import DirectConfig
+    from lightning_grpc.training.direct import DirectConfig
 
     options: dict[str, Any] = {
         "model_path": str(model),
@@ -262,7 +262,7 @@ def _direct_config(model: Path, **overrides: Any) -> Any:
 
 
 def test_direct_runs_repeat_exactly(tiny_model: Path) -> None:
-    from lightning_grpc.trainer.direct import run_direct
+    from lightning_grpc.training.direct import run_direct
 
     torch.set_num_threads(1)
     first = run_direct(_direct_config(tiny_model, lr=1e-2))
@@ -284,7 +284,7 @@ def test_rows_as_the_trainer_makes_them(tiny_model: Path) -> None:
     """Transition: one row per call; trajectory: calls merged into one row per rollout unless the
     re-rendered prompt breaks the prefix. The same response tokens are trained either way."""
     from lightning_grpc.engine.server import load_model, load_tokenizer
-    from lightning_grpc.trainer.direct import (
+    from lightning_grpc.training.direct import (
         DirectGenerator,
         Sampling,
         build_update,
@@ -321,7 +321,7 @@ def test_direct_training_improves_the_validation_reward(tiny_model: Path) -> Non
     """20 GRPO steps (16 locks x 8 samples, lr 5e-3) take the sampled validation reward (8 held-out locks x 4
     samples) from about 0 to about 0.45: measured +0.42, +0.45 and +0.48 for seeds 0-2, about 35 s each on
     2 cores with one torch thread. The test asks for half of the smallest gain."""
-    from lightning_grpc.trainer.direct import run_direct, summarize
+    from lightning_grpc.training.direct import run_direct, summarize
 
     torch.set_num_threads(1)
     config = _direct_config(

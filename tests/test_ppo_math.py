@@ -1,4 +1,4 @@
-"""The GRPO/PPO update math of lightning_grpc.trainer.ppo, on tiny tensors with values worked out by hand.
+"""The GRPO/PPO update math of lightning_grpc.training.ppo, on tiny tensors with values worked out by hand.
 
 Expected numbers come from the formulas (written out below), never from the code under test.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lightning_grpc.trainer.ppo import (
+from lightning_grpc.training.ppo import (
     PPOConfig,
     agg_loss,
     broadcast_to_rows,

@@ -18,8 +18,8 @@ from lightning_grpc.client import StoreClient
 from lightning_grpc.engine import EngineProcess
 from lightning_grpc.examples.combination_lock import AGENT_REF, train_tasks, val_tasks, write_jsonl
 from lightning_grpc.processes import Background, log_field
-from lightning_grpc.trainer.experiment import ConfigError, experiment_from_dict, load_experiment
-from lightning_grpc.trainer.loop import run_experiment
+from lightning_grpc.training.experiment import ConfigError, experiment_from_dict, load_experiment
+from lightning_grpc.training.loop import run_experiment
 from lightning_grpc.types import RolloutMode, RolloutStatus
 
 from .engine_fixtures import CLI, QUIET_ENV

@@ -38,9 +38,9 @@ from lightning_grpc.client import StoreClient, TrainerClient
 from lightning_grpc.proxy import LLMProxy, ProxyConfig
 from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
 from lightning_grpc.trainer import ppo
-from lightning_grpc.trainer.experiment import ConfigError, load_experiment
-from lightning_grpc.trainer.learner import rollout_rewards_and_groups
-from lightning_grpc.trainer.verl_backend import (
+from lightning_grpc.training.experiment import ConfigError, load_experiment
+from lightning_grpc.training.learner import rollout_rewards_and_groups
+from lightning_grpc.training.verl_backend import (
     data_proto,
     replica_backends,
     trainer_class,

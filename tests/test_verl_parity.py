@@ -1,4 +1,4 @@
-"""lightning_grpc.trainer.ppo against verl 0.9.1's own functions, on the same seeded random tensors.
+"""lightning_grpc.training.ppo against verl 0.9.1's own functions, on the same seeded random tensors.
 
 Runs where verl is installed: `make verl-parity` (which builds .venv-verl with `make verl-env` first).
 """

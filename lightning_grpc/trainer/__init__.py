@@ -1,4 +1,7 @@
-"""The Trainer: whole-group training batches from finished rollouts (core, no gRPC), and the loops that learn from them."""
+"""The Trainer: whole-group training batches from finished rollouts (core, no gRPC).
+
+The loops that learn from the batches are in :mod:`lightning_grpc.training`.
+"""
 
 from .batches import BatchRollout, BuiltBatch, RowInfo
 from .core import GroupSample, TrainerCore, TrainerStatus, TrainingEvent

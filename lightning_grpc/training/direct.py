@@ -21,11 +21,11 @@ functions (:mod:`lightning_grpc.examples.combination_lock`), the same sampling a
 5. Every ``eval_every`` steps (and before the first), the validation tasks are played ``eval_samples``
    times each, by default with the training sampling (temperature 1: the reward the policy actually
    earns); ``eval_temperature=0`` evaluates greedily.
-6. Tasks are drawn, and groups and rollouts named, as the experiment loop (``lightning_grpc.trainer.loop``)
+6. Tasks are drawn, and groups and rollouts named, as the experiment loop (``lightning_grpc.training.loop``)
    draws and names them (:func:`step_items`), so the per-call seeds are the same in both loops: at step 1,
    with the same initial weights, the two loops play the very same rollouts.
 
-    python -m lightning_grpc.trainer.direct --model /tmp/tiny --steps 300 --stop-at 0.8 --json out.json
+    python -m lightning_grpc.training.direct --model /tmp/tiny --steps 300 --stop-at 0.8 --json out.json
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ from lightning_grpc.engine.protocol import SamplingParams
 from lightning_grpc.engine.scheduler import prefill
 from lightning_grpc.engine.text import OutputText
 from lightning_grpc.examples import combination_lock as lock
+from lightning_grpc.trainer.tensors import PackRow, pack, pad
 
 from . import ppo
 from .learner import Learner, OptimConfig, UpdateInput
-from .tensors import PackRow, pack, pad
 
 SEED_MODULUS = 2**63
 
@@ -353,7 +353,7 @@ def step_items(
     tasks: Sequence[Mapping[str, Any]], groups: int, group_size: int, *, seed: int, name: str, tag: str
 ) -> list[tuple[Mapping[str, Any], str, str]]:
     """``(task, rollout id, group id)`` of one step's rollouts, chosen and named as the experiment loop
-    (:meth:`lightning_grpc.trainer.loop.Experiment.submit`) does: tasks drawn by ``random.Random(f"{seed}-{tag}")``,
+    (:meth:`lightning_grpc.training.loop.Experiment.submit`) does: tasks drawn by ``random.Random(f"{seed}-{tag}")``,
     group ids ``{name}-{tag}-g{i}``, rollout ids ``{group}-r{k}``. Same ids, same per-call seeds: at equal weights
     the two loops sample the same tokens."""
     if groups <= 0:

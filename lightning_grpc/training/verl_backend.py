@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lightning_grpc.trainer.tensors import INDEX_ARRAYS
+
 from .experiment import ConfigError, ExperimentConfig
-from .tensors import INDEX_ARRAYS
 
 if TYPE_CHECKING:  # the client module imports gRPC; only its batch type is needed here
     from lightning_grpc.client.trainer import TrainingBatch
@@ -352,7 +353,7 @@ def run_verl(config: ExperimentConfig, *, progress: bool = True) -> Any:
 
 
 class VerlBackend:
-    """The update backend (:class:`~lightning_grpc.trainer.loop.UpdateBackend`) verl provides.
+    """The update backend (:class:`~lightning_grpc.training.loop.UpdateBackend`) verl provides.
 
     :meth:`start`: Ray, verl's workers and vLLM replicas, woken with the actor's weights. The replicas
     become the proxy's backends. :meth:`update`: the replicas sleep while verl trains on the batch, then
