@@ -181,6 +181,45 @@ async def test_logprobs_are_consistent(client: openai.AsyncOpenAI, tokenizer: An
     )
 
 
+async def test_streamed_text_never_carries_a_replacement_character_the_full_text_lacks(
+    tokenizer: Any,
+) -> None:
+    """Byte-level tokens split characters: a chunk holds a partial character back until it is whole."""
+    import random
+
+    from lightning_grpc.engine.protocol import SamplingParams
+    from lightning_grpc.engine.text import REPLACEMENT, OutputText, TokenTexts
+
+    texts = TokenTexts(tokenizer)
+    vocab = len(tokenizer)
+    partial = [i for i in range(vocab) if REPLACEMENT in texts.get(i)[0]]  # lone bytes of a character
+    assert partial, "the tiny tokenizer has byte tokens"
+    whole = tokenizer.encode("你好 im 😀 wörld", add_special_tokens=False)
+    rng = random.Random(7)
+    held_back = 0
+    for _ in range(2000):
+        ids = [
+            rng.choice(partial) if rng.random() < 0.5 else rng.choice([*whole, rng.randrange(vocab)])
+            for _ in range(rng.randrange(1, 12))
+        ]
+        out = OutputText(tokenizer, SamplingParams(max_tokens=64))
+        chunks = []
+        for token_id in ids:
+            out.add(token_id)
+            chunks.append(out.take(final=False))
+        out.finish()
+        chunks.append(out.take(final=True))
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(chunks) == full, ids
+        at = 0
+        for chunk in chunks:
+            for k, ch in enumerate(chunk):
+                assert ch != REPLACEMENT or full[at + k] == REPLACEMENT, (ids, chunks, full)
+            at += len(chunk)
+        held_back += sum(1 for c in chunks[:-1] if not c)
+    assert held_back  # partial characters were held back, not sent
+
+
 async def test_n_choices_differ_and_share_the_prompt(client: openai.AsyncOpenAI) -> None:
     data = (await chat(client, n=3, max_tokens=10)).model_dump()
     assert [c["index"] for c in data["choices"]] == [0, 1, 2]
