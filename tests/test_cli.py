@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -464,3 +465,27 @@ def test_a_runner_that_cannot_reach_its_store_says_so_in_one_line_and_exits() ->
         "error: STORE_UNREACHABLE: cannot reach the store at 127.0.0.1:1 within 1 s (is it running, and is the address right?)"
     ]
     assert "Traceback" not in done.stderr and "WARNING" not in done.stdout + done.stderr
+
+
+def test_a_taken_port_is_one_clear_line_without_grpc_cores_own_log() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = command("serve", "--memory", "--port", str(port))
+    assert done.returncode == 1
+    output = done.stdout + done.stderr
+    assert (
+        f"cannot listen on 127.0.0.1:{port}: the port is in use (is another server running there?)" in output
+    )
+    assert "add_port.cc" not in output and "GRPC_VERBOSITY" not in output
+    assert "Traceback" not in output
+
+
+def test_serve_names_the_option_to_pass_when_the_backend_cannot_say_its_model() -> None:
+    done = command("serve", "--memory", "--port", "0", "--proxy-backend", "http://127.0.0.1:9/v1")
+    assert done.returncode != 0
+    assert "pass --proxy-model-name NAME" in done.stderr
+    proxy = command("proxy", "--backend", "http://127.0.0.1:9/v1")
+    assert proxy.returncode != 0
+    assert "pass --model-name NAME" in proxy.stderr

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import logging
+import subprocess
+import sys
 
 import grpc
 
@@ -44,3 +46,23 @@ def test_the_server_log_never_shows_the_token(server_process) -> None:  # type: 
     text = "".join(proc.lines)
     assert "event=server_started" in text and "auth=True" in text and "event=server_stopped" in text
     assert "tok-very-secret" not in text
+
+
+def test_the_default_log_level_keeps_an_agents_http_requests_out() -> None:
+    """httpx logs one INFO line per request; a runner's log at INFO shows its own events only."""
+    script = """
+import http.server, logging, threading
+import httpx
+from lightning_grpc import logs
+
+server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+logs.configure_logging("INFO")
+httpx.get(f"http://127.0.0.1:{server.server_port}/")
+logging.getLogger("lightning_grpc.runner").info("event=agent_called")
+server.shutdown()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr
+    assert "event=agent_called" in done.stdout
+    assert "HTTP Request" not in done.stdout + done.stderr

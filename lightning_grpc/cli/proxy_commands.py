@@ -25,6 +25,7 @@ DEFAULT_GRPC_PORT = 4749
 
 def _backend_options(p: argparse.ArgumentParser, prefix: str) -> None:
     """The options that describe the backends (``prefix`` is "" or "proxy-")."""
+    p.set_defaults(proxy_option_prefix=prefix)  # so messages name the option as this command spells it
     p.add_argument(
         f"--{prefix}backend",
         dest="proxy_backends",
@@ -151,8 +152,10 @@ def proxy_config(args: argparse.Namespace, host: str, port: int, store: Any = ""
         try:
             model_name = discover_model(urls[0])
         except (OSError, ValueError) as exc:
+            option = f"--{getattr(args, 'proxy_option_prefix', '')}model-name"
             raise SystemExit(
-                f"error: cannot ask {urls[0]} for its model ({exc}); pass the model name"
+                f"error: cannot ask {urls[0]} for its model ({exc}); pass {option} NAME "
+                "(the model name agents ask for)"
             ) from None
         backend_model = backend_model or model_name
     try:

@@ -16,7 +16,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from lightning_grpc.client.local import LocalStoreClient
-from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
+from lightning_grpc.server.app import RunningServer, ServerConfig, listen, start_server
 from lightning_grpc.server.auth import BearerTokenInterceptor
 
 from .app import LLMProxy
@@ -57,15 +57,11 @@ async def start_proxy_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((PROXY_SERVICE, health_name, reflection.SERVICE_NAME), server)
-    address = f"{grpc_host}:{grpc_port}"
     try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
+        port = listen(server, grpc_host, grpc_port)
+    except OSError:
         await proxy.stop(0)
-        raise OSError(f"cannot listen on {address}: {exc}") from None
-    if not port:
-        await proxy.stop(0)
-        raise OSError(f"cannot listen on {address} (is another server using the port?)")
+        raise
     await server.start()
     for name in ("", PROXY_SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +106,51 @@ def make_store(config: ServerConfig) -> Store:
     return Store(backend, max_memory_bytes=config.max_memory_bytes, max_span_bytes=config.max_span_bytes)
 
 
+def listen(
+    server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Add the listening port to ``server``; returns the bound port.
+
+    A port already taken is found with a plain socket first, so the user reads one clear line and
+    not gRPC core's own log line about the failed bind.
+    """
+    address = f"{host}:{port}"
+    if port:
+        _check_free(host, port, address)
+    try:
+        bound = (
+            server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        )
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise OSError(f"cannot listen on {address} (is another server using the port?)")
+    return bound
+
+
+def _check_free(host: str, port: int, address: str) -> None:
+    try:
+        infos = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {address}: {exc.strerror}") from None
+    for family, kind, proto, _name, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(
+                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+            )  # as gRPC does: TIME_WAIT is no conflict
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise OSError(
+                        f"cannot listen on {address}: the port is in use (is another server running there?)"
+                    ) from None
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise OSError(f"cannot listen on {address}: this machine has no such address") from None
+
+
 async def start_server(config: ServerConfig, store: Store | None = None) -> RunningServer:
     """Open the store (unless given, already started) and serve it; returns once listening."""
     if store is None:
@@ -139,23 +186,18 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    address = f"{config.host}:{config.port}"
+    credentials = None
+    if config.tls is not None:
+        credentials = grpc.ssl_server_credentials(
+            [(config.tls.private_key.read_bytes(), config.tls.cert_chain.read_bytes())],
+            root_certificates=config.tls.client_ca.read_bytes() if config.tls.client_ca else None,
+            require_client_auth=config.tls.client_ca is not None,
+        )
     try:
-        if config.tls is not None:
-            creds = grpc.ssl_server_credentials(
-                [(config.tls.private_key.read_bytes(), config.tls.cert_chain.read_bytes())],
-                root_certificates=config.tls.client_ca.read_bytes() if config.tls.client_ca else None,
-                require_client_auth=config.tls.client_ca is not None,
-            )
-            port = server.add_secure_port(address, creds)
-        else:
-            port = server.add_insecure_port(address)
-    except RuntimeError as exc:
+        port = listen(server, config.host, config.port, credentials)
+    except OSError:
         await store.close()
-        raise OSError(f"cannot listen on {address}: {exc} (is another server using the port?)") from None
-    if not port:
-        await store.close()
-        raise OSError(f"cannot listen on {address} (is another server using the port?)")
+        raise
     await server.start()
     for name in ("", *names):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
