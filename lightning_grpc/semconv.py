@@ -131,8 +131,14 @@ def _finite(value: Any, what: str) -> float:
 def read_reward(attributes: Mapping[str, Any]) -> dict[str, float] | None:
     """The reward dimensions carried by a span's attributes, or None when it carries no reward.
 
-    Also reads the reference system's encoding (``agentlightning.reward.<i>.name/value``).
+    Reads :func:`reward_attributes`' encoding, a plain number under ``lightning.reward`` (one
+    dimension, the primary one), and the reference system's encoding
+    (``agentlightning.reward.<i>.name/value``, or a plain number under ``agentlightning.reward``).
     """
+    for scalar_key in (SPAN_REWARD, "agentlightning.reward"):
+        scalar = attributes.get(scalar_key)
+        if isinstance(scalar, int | float) and not isinstance(scalar, bool) and math.isfinite(scalar):
+            return {PRIMARY: float(scalar)}
     prefix = REWARD_VALUE + "."
     dims = {
         key[len(prefix) :]: float(value)

@@ -10,7 +10,7 @@ from lightning_grpc.client import StoreClient
 from lightning_grpc.runner import Runner, rollout
 from lightning_grpc.server.app import RunningServer
 from lightning_grpc.tracing import emit_reward
-from lightning_grpc.types import PromptTemplate, RolloutStatus
+from lightning_grpc.types import PromptTemplate, RolloutStatus, Span
 
 
 @rollout
@@ -55,3 +55,18 @@ async def test_waiting_past_the_timeout_returns_unfinished_rollouts_with_no_rewa
         results = await algo.run_batch([{"n": 1}], timeout=0.2)  # no runner is running
     assert len(results) == 1 and results[0].reward is None
     assert results[0].rollout.status == RolloutStatus.QUEUING
+
+
+async def test_a_plain_number_under_lightning_reward_is_the_rollouts_reward(client: StoreClient) -> None:
+    """What a user writes first (``attributes={"lightning.reward": 1.0}``) reads back as the reward."""
+    rollouts = []
+    for i, key in enumerate(("lightning.reward", "agentlightning.reward")):
+        ro = await client.start_rollout({"i": i}, worker_id="w")
+        span = Span(trace_id=f"{i + 1:032x}", span_id=f"{i + 1:016x}", name="agent", attributes={key: 0.75})
+        await client.add_spans([span], rollout_id=ro.rollout_id, attempt_id=ro.latest_attempt.attempt_id)
+        await client.complete_attempt(ro.rollout_id, ro.latest_attempt.attempt_id, "succeeded")
+        rollouts.append(await client.get_rollout(ro.rollout_id))
+    async with Algorithm(client) as algo:
+        results = await algo.results(rollouts)
+    assert [r.reward for r in results] == [0.75, 0.75]
+    assert results[0].rewards == [{"primary": 0.75}]
