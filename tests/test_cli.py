@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from lightning_grpc.cli.inspect import format_table
+from lightning_grpc import semconv
+from lightning_grpc.cli.inspect import format_table, span_line
 from lightning_grpc.client import StoreClient, SyncStoreClient
 from lightning_grpc.types import LLM, PromptTemplate, Span
 from tests.conftest import ROOT, ServerProcess
@@ -134,12 +135,22 @@ def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
 # ---------------------------------------------------------------- rollouts
 def test_rollouts_table_shows_every_rollout_with_status_and_worker(store: Seeded) -> None:
     rows = table_rows(store.ok("rollouts"))
-    assert rows["ID"] == ["ID", "STATUS", "MODE", "ATTEMPTS", "LAST_ATTEMPT", "WORKER", "CREATED", "DURATION"]
-    assert rows[store.succeeded][1:6] == ["succeeded", "train", "1", "succeeded", "worker-1"]
-    assert rows[store.failed][1:6] == ["failed", "train", "1", "failed", "worker-2"]
-    assert rows[store.running][1:6] == ["running", "train", "1", "running", "worker-3"]
+    assert rows["ID"] == [
+        "ID",
+        "STATUS",
+        "REWARD",
+        "MODE",
+        "ATTEMPTS",
+        "LAST_ATTEMPT",
+        "WORKER",
+        "CREATED",
+        "DURATION",
+    ]
+    assert rows[store.succeeded][1:7] == ["succeeded", "0.75", "train", "1", "succeeded", "worker-1"]
+    assert rows[store.failed][1:7] == ["failed", "-", "train", "1", "failed", "worker-2"]  # no reward, not 0
+    assert rows[store.running][1:7] == ["running", "-", "train", "1", "running", "worker-3"]
     for rid in store.queued:
-        assert rows[rid][1:6] == ["queuing", "val", "0", "-", "-"]
+        assert rows[rid][1:7] == ["queuing", "-", "val", "0", "-", "-"]
 
 
 def test_rollouts_table_columns_are_aligned(store: Seeded) -> None:
@@ -195,6 +206,9 @@ def test_rollout_shows_fields_input_and_attempts(store: Seeded) -> None:
     assert fields["group"].strip() == "grp-a"
     assert fields["resources"].strip() == store.resources_id
     assert fields["max attempts"].strip() == "1"
+    assert fields["reward"].strip() == "-"
+    succeeded = store.ok("rollout", store.succeeded).split("\ninput:")[0].splitlines()
+    assert dict(line.split(":", 1) for line in succeeded)["reward"].strip() == "0.75"
     input_text = out.split("\ninput:\n")[1].split("\n\nattempts:")[0]
     assert json.loads(input_text) == {"question": "1/0"}
     attempts = table_rows(out.split("\nattempts:\n")[1])
@@ -209,6 +223,7 @@ def test_rollout_json(store: Seeded) -> None:
     record = json.loads(lines[0])
     assert record["rollout_id"] == store.succeeded
     assert record["status"] == "succeeded"
+    assert record["reward"] == 0.75
     assert record["config"]["max_attempts"] == 1
     assert [a["attempt_id"] for a in record["attempts"]] == [store.succeeded_attempt]
     assert record["attempts"][0]["worker_id"] == "worker-1"
@@ -223,7 +238,21 @@ def test_spans_one_line_each(store: Seeded) -> None:
     assert agent[3] == "12.0ms"
     assert "prompt=Solve: 1+1" in lines[0]
     assert reward[:3] == ["2", store.succeeded_attempt, "reward"]
-    assert "lightning.reward=0.75" in lines[1]
+    assert lines[1].endswith("reward=0.75")
+
+
+def test_a_span_line_shows_the_reward_first_and_the_ids_it_repeats_last() -> None:
+    attributes = {
+        "lightning.rollout_id": "ro-" + "a" * 16,
+        "lightning.attempt_id": "at-" + "b" * 12,
+        "step": 3,
+        **semconv.reward_attributes({"acc": 1.0, "speed": 0.5}, primary="acc"),
+    }
+    line = span_line(make_span("grade", attributes))
+    summary = line.split("ms  ", 1)[1]
+    assert summary.startswith("reward=1.0 reward.speed=0.5 step=3 ")
+    assert summary.index("step=3") < summary.index("lightning.rollout_id=")
+    assert "lightning.reward.value" not in summary
 
 
 def test_spans_of_latest_or_named_attempt(store: Seeded) -> None:

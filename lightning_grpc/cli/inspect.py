@@ -25,7 +25,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from lightning_grpc import semconv
 from lightning_grpc import types as t
+from lightning_grpc.algorithm import Algorithm
 from lightning_grpc.client import ClientConfig, StoreClient
 
 DEFAULT_STORE = "127.0.0.1:4747"
@@ -36,6 +38,16 @@ RESOURCE_KINDS: dict[type, str] = {
     t.PromptTemplate: "prompt_template",
     t.JsonResource: "json",
 }
+#: Span attributes that repeat ids the line already shows: printed last.
+ID_ATTRIBUTES = frozenset(
+    {
+        semconv.ROLLOUT_ID,
+        semconv.ATTEMPT_ID,
+        semconv.SPAN_SEQUENCE_ID,
+        semconv.LEGACY_ROLLOUT_ID,
+        semconv.LEGACY_ATTEMPT_ID,
+    }
+)
 #: Resource fields never printed in clear.
 SECRET_FIELDS = frozenset({"api_key"})
 
@@ -144,10 +156,11 @@ async def _with_client(command: Command, args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- commands
 async def show_rollouts(client: StoreClient, args: argparse.Namespace) -> None:
     rollouts, total = await _newest_rollouts(client, args.status, args.group, args.limit)
+    rewards = await rewards_of(client, rollouts)
     if args.json:
-        _print_json_lines(rollouts)
+        _print_json_lines({**jsonable(r), "reward": rewards[r.rollout_id]} for r in rollouts)
         return
-    print(format_table(ROLLOUT_HEADERS, (rollout_row(r) for r in rollouts)))
+    print(format_table(ROLLOUT_HEADERS, (rollout_row(r, rewards[r.rollout_id]) for r in rollouts)))
     if len(rollouts) < total:
         print(f"({len(rollouts)} of {total} rollouts shown; see more with --limit)", file=sys.stderr)
 
@@ -171,10 +184,11 @@ async def _newest_rollouts(
 async def show_rollout(client: StoreClient, args: argparse.Namespace) -> None:
     rollout = await client.get_rollout(args.rollout_id)
     attempts = await client.query_attempts(args.rollout_id)
+    reward = (await rewards_of(client, [rollout]))[rollout.rollout_id]
     if args.json:
-        _print_json_lines([{**jsonable(rollout), "attempts": jsonable(attempts)}])
+        _print_json_lines([{**jsonable(rollout), "reward": reward, "attempts": jsonable(attempts)}])
         return
-    print(format_fields(rollout_fields(rollout)))
+    print(format_fields(rollout_fields(rollout, reward)))
     print("input:")
     print(_indent(json.dumps(jsonable(rollout.input), indent=2, ensure_ascii=False)))
     print()
@@ -222,17 +236,39 @@ async def show_stats(client: StoreClient, args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- rows and fields
-ROLLOUT_HEADERS = ("ID", "STATUS", "MODE", "ATTEMPTS", "LAST_ATTEMPT", "WORKER", "CREATED", "DURATION")
+ROLLOUT_HEADERS = (
+    "ID",
+    "STATUS",
+    "REWARD",
+    "MODE",
+    "ATTEMPTS",
+    "LAST_ATTEMPT",
+    "WORKER",
+    "CREATED",
+    "DURATION",
+)
 ATTEMPT_HEADERS = ("#", "ID", "STATUS", "WORKER", "STARTED", "DURATION", "HEARTBEAT", "MESSAGE")
 WORKER_HEADERS = ("ID", "STATUS", "ROLLOUT", "ATTEMPT", "HEARTBEAT", "DEQUEUED", "STATS")
 RESOURCES_HEADERS = ("ID", "VERSION", "LATEST", "UPDATED", "RESOURCES")
 
 
-def rollout_row(r: t.Rollout) -> list[object]:
+async def rewards_of(client: StoreClient, rollouts: Sequence[t.Rollout]) -> dict[str, float | None]:
+    """Each rollout's reward: the last one its latest attempt recorded (None if it did not succeed)."""
+    async with Algorithm(client) as algorithm:
+        results = await algorithm.results(rollouts)
+    return {r.rollout.rollout_id: r.reward for r in results}
+
+
+def format_reward(reward: float | None) -> str | None:
+    return None if reward is None else f"{reward:.4g}"
+
+
+def rollout_row(r: t.Rollout, reward: float | None = None) -> list[object]:
     latest = r.latest_attempt
     return [
         r.rollout_id,
         r.status,
+        format_reward(reward),
         r.mode,
         r.attempt_count,
         latest.status if latest else None,
@@ -242,11 +278,12 @@ def rollout_row(r: t.Rollout) -> list[object]:
     ]
 
 
-def rollout_fields(r: t.Rollout) -> list[tuple[str, object]]:
+def rollout_fields(r: t.Rollout, reward: float | None = None) -> list[tuple[str, object]]:
     c = r.config
     return [
         ("rollout", r.rollout_id),
         ("status", r.status),
+        ("reward", format_reward(reward)),
         ("message", r.status_message),
         ("mode", r.mode),
         ("group", r.group_id),
@@ -324,7 +361,23 @@ def span_line(s: t.Span) -> str:
         max(0, s.end_time_unix_nano - s.start_time_unix_nano) / 1e6 if s.end_time_unix_nano else None
     )
     duration = f"{duration_ms:.1f}ms" if duration_ms is not None else "-"
-    return f"{s.sequence_id:>6}  {s.attempt_id:<15}  {s.name:<20}  {duration:>10}  {summarize(s.attributes)}".rstrip()
+    return f"{s.sequence_id:>6}  {s.attempt_id:<15}  {s.name:<20}  {duration:>10}  {summarize(readable_first(s.attributes))}".rstrip()
+
+
+def readable_first(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """A span's attributes for one line: its reward first, then the rest, the ids it repeats last."""
+    reward = semconv.read_reward(attributes)
+    reward_keys = {k for k in attributes if k == semconv.REWARD_PRIMARY or k.startswith(semconv.SPAN_REWARD)}
+    reward_keys |= {k for k in attributes if k.startswith("agentlightning.reward")}
+    ids = {k: v for k, v in attributes.items() if k in ID_ATTRIBUTES}
+    out: dict[str, Any] = {}
+    if reward:
+        out["reward"] = semconv.read_primary_reward(attributes)
+        primary_name = attributes.get(semconv.REWARD_PRIMARY, semconv.PRIMARY)
+        out.update((f"reward.{name}", value) for name, value in reward.items() if name != primary_name)
+    out.update((k, v) for k, v in attributes.items() if k not in ids and k not in reward_keys)
+    out.update(ids)
+    return out
 
 
 def resource_kind(resource: object) -> str:
