@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -518,3 +519,49 @@ def test_serve_names_the_option_to_pass_when_the_backend_cannot_say_its_model() 
     proxy = command("proxy", "--backend", "http://127.0.0.1:9/v1")
     assert proxy.returncode != 0
     assert "pass --model-name NAME" in proxy.stderr
+
+
+# ---------------------------------------------------------------- enqueue, cancel, delete
+async def test_enqueue_inline_and_from_a_file_in_grpo_groups(client: StoreClient, tmp_path: Path) -> None:
+    store = client.config.target
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"q": "3+3"}\n\n{"q": "4+4"}\n')
+    done = await asyncio.to_thread(
+        run_cli, "enqueue", '{"q": "2+2"}', "--file", str(tasks), "--group-size", "2", "--mode", "train",
+        "--max-attempts", "3", "--store", store, "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    queued = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["input"] for r in queued] == [{"q": "2+2"}] * 2 + [{"q": "3+3"}] * 2 + [{"q": "4+4"}] * 2
+    groups = [r["group_id"] for r in queued]
+    assert groups[0] == groups[1] != groups[2] == groups[3] != groups[4] == groups[5]
+    stored = await client.get_rollout(queued[0]["rollout_id"])
+    assert str(stored.status) == "queuing" and str(stored.mode) == "train" and stored.config.max_attempts == 3
+
+
+async def test_enqueue_names_the_line_that_is_not_json_and_queues_nothing(
+    client: StoreClient, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"q": 1}\n{"q": 2\n')
+    done = await asyncio.to_thread(run_cli, "enqueue", "--file", str(tasks), "--store", client.config.target)
+    line = one_line_error(done)
+    assert line.startswith(f"error: {tasks} line 2 is not JSON")
+    assert (await client.list_rollouts()).items == []
+
+
+async def test_cancel_then_delete_a_rollout(client: StoreClient) -> None:
+    store = client.config.target
+    queued = await client.enqueue_rollout({"q": 1})
+    kept = await client.enqueue_rollout({"q": 2})
+    refused = one_line_error(await asyncio.to_thread(run_cli, "delete", queued.rollout_id, "--store", store))
+    assert refused.startswith("error: ROLLOUT_NOT_FINISHED: ")  # only ended rollouts are deleted
+    done = await asyncio.to_thread(
+        run_cli, "cancel", queued.rollout_id, "--reason", "bad prompt", "--store", store
+    )
+    assert done.returncode == 0, done.stderr
+    assert table_rows(done.stdout)[queued.rollout_id][1] == "cancelled"
+    assert (await client.get_rollout(queued.rollout_id)).status_message == "bad prompt"
+    done = await asyncio.to_thread(run_cli, "delete", queued.rollout_id, "--store", store)
+    assert done.stdout.strip() == "deleted 1 rollouts, 0 attempts and 0 spans"
+    assert [r.rollout_id for r in (await client.list_rollouts()).items] == [kept.rollout_id]

@@ -56,7 +56,7 @@ Command = Callable[[StoreClient, argparse.Namespace], Awaitable[int | None]]
 
 # ---------------------------------------------------------------- parsers
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    common = _common_options()
+    common = common_options()
 
     p = sub.add_parser("rollouts", parents=[common], help="list rollouts, newest first")
     p.add_argument(
@@ -68,11 +68,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     p.add_argument("--limit", type=_non_negative_int, default=50, help="at most N rollouts (0: all)")
     p.add_argument("--group", default="", help="only rollouts of this group id")
-    p.set_defaults(func=_runs(show_rollouts))
+    p.set_defaults(func=with_store_client(show_rollouts))
 
     p = sub.add_parser("rollout", parents=[common], help="one rollout: fields, config, input, attempts")
     p.add_argument("rollout_id", metavar="ROLLOUT_ID")
-    p.set_defaults(func=_runs(show_rollout))
+    p.set_defaults(func=with_store_client(show_rollout))
 
     p = sub.add_parser("spans", parents=[common], help="a rollout's spans, one line each")
     p.add_argument("rollout_id", metavar="ROLLOUT_ID")
@@ -83,16 +83,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         action="store_true",
         help="keep printing new spans until the rollout ends (or Ctrl-C)",
     )
-    p.set_defaults(func=_runs(show_spans))
+    p.set_defaults(func=with_store_client(show_spans))
 
     p = sub.add_parser("workers", parents=[common], help="list workers")
-    p.set_defaults(func=_runs(show_workers))
+    p.set_defaults(func=with_store_client(show_workers))
 
     p = sub.add_parser("resources", parents=[common], help="list resources sets")
-    p.set_defaults(func=_runs(show_resources))
+    p.set_defaults(func=with_store_client(show_resources))
 
     p = sub.add_parser("stats", parents=[common], help="store statistics")
-    p.set_defaults(func=_runs(show_stats))
+    p.set_defaults(func=with_store_client(show_stats))
 
 
 def add_store_option(p: argparse.ArgumentParser, what: str = "the store server") -> None:
@@ -105,7 +105,7 @@ def add_store_option(p: argparse.ArgumentParser, what: str = "the store server")
     )
 
 
-def _common_options() -> argparse.ArgumentParser:
+def common_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     add_store_option(common)
     common.add_argument(
@@ -128,7 +128,7 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _runs(command: Command) -> Callable[[argparse.Namespace], int]:
+def with_store_client(command: Command) -> Callable[[argparse.Namespace], int]:
     """An argparse ``func`` that runs ``command`` with a client of ``--store``."""
 
     def run(args: argparse.Namespace) -> int:

@@ -11,13 +11,13 @@ import asyncio
 import json
 from typing import Any
 
-from lightning_grpc.cli.inspect import _common_options, format_fields, format_table, jsonable
+from lightning_grpc.cli.inspect import common_options, format_fields, format_table, jsonable
 from lightning_grpc.client import ClientConfig, RolloutTripletReport, TrainerClient
 from lightning_grpc.trainer import TrainerStatus
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    common = _common_options()
+    common = common_options()
     p = sub.add_parser(
         "triplets", parents=[common], help="what training makes of a rollout: triplets, rows, drops"
     )
@@ -26,15 +26,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--reward-match", choices=["final", "first_occurrence", "first_sibling"], default="final")
     p.add_argument("--agent-match", default="", help="only calls under agents matching this regex")
     p.add_argument("--tokenizer", metavar="PATH", help="a local tokenizer to decode the token ids with")
-    p.set_defaults(func=_runs(show_triplets))
+    p.set_defaults(func=with_trainer_client(show_triplets))
 
     trainer = sub.add_parser("trainer", help="the trainer of a running server")
     trainer_sub = trainer.add_subparsers(dest="trainer_command", required=True)
     p = trainer_sub.add_parser("status", parents=[common], help="groups pending/ready/consumed, drops, steps")
-    p.set_defaults(func=_runs(show_status))
+    p.set_defaults(func=with_trainer_client(show_status))
 
 
-def _runs(command: Any) -> Any:
+def with_trainer_client(command: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         return asyncio.run(_with_client(command, args))
 
