@@ -399,10 +399,16 @@ async def test_emitters_write_what_the_conventions_read_back(
     def explode() -> None:
         raise KeyError("nope")
 
+    @operation("shout")  # the name given positionally
+    def loud(text: str) -> str:
+        return text.upper()
+
     @rollout
     async def agent(task: Any) -> None:
         tokenize("Hello big world")
         await fetch("http://x")
+        with operation("compute") as op:
+            op.set_output(loud("hi"))
         with operation(name="manual") as op:
             op.set_input("a", k=2)
             op.set_output([1.5, 2.5])
@@ -428,6 +434,8 @@ async def test_emitters_write_what_the_conventions_read_back(
     assert ops["fetch"].attributes["lightning.operation.output.status"] == 200
     assert ops["manual"].attributes["lightning.operation.input.args.0"] == "a"
     assert ops["manual"].attributes["lightning.operation.output"] == [1.5, 2.5]
+    assert ops["compute"].attributes["lightning.operation.output"] == "HI"
+    assert ops["shout"].attributes["lightning.operation.input.text"] == "hi"
     assert ops["explode"].status_code == 2 and any(e.name == "exception" for e in ops["explode"].events)
     assert named[semconv.SPAN_MESSAGE][0].attributes[semconv.MESSAGE_BODY] == "thinking"
     objects = [semconv.read_object(s.attributes) for s in named[semconv.SPAN_OBJECT]]

@@ -107,15 +107,23 @@ def _operation_span(name: str, attributes: Mapping[str, Any]) -> Iterator[Operat
         span.set_status(Status(StatusCode.OK))
 
 
-def operation(fn: Callable[..., Any] | None = None, *, name: str | None = None, **attributes: Any) -> Any:
+def operation(
+    fn: Callable[..., Any] | str | None = None, *, name: str | None = None, **attributes: Any
+) -> Any:
     """Trace an operation with its inputs and output.
 
-    As a decorator (sync or async; ``@operation`` or ``@operation(name=...)``) or as a context
-    manager: ``with operation(name="search") as op: op.set_input(q); ...; op.set_output(r)``.
-    Exceptions are recorded on the span and re-raised.
+    As a decorator (sync or async; ``@operation``, ``@operation("search")`` or
+    ``@operation(name="search")``) or as a context manager: ``with operation("search") as op:
+    op.set_input(q); ...; op.set_output(r)``. Exceptions are recorded on the span and re-raised.
     """
+    if isinstance(fn, str):
+        if name is not None and name != fn:
+            raise TypeError(f"operation() got two names: {fn!r} and name={name!r}")
+        return _ContextOrDecorator(fn, attributes)
     if fn is None:
         return _ContextOrDecorator(name, attributes)
+    if not callable(fn):
+        raise TypeError(f"operation() takes a name or a function, not {type(fn).__name__}")
     return _decorate(fn, name or fn.__name__, attributes)
 
 
