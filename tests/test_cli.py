@@ -513,10 +513,19 @@ def test_a_taken_port_is_one_clear_line_without_grpc_cores_own_log() -> None:
 
 
 def test_serve_names_the_option_to_pass_when_the_backend_cannot_say_its_model() -> None:
-    done = command("serve", "--memory", "--port", "0", "--proxy-backend", "http://127.0.0.1:9/v1")
+    done = command(
+        "serve",
+        "--memory",
+        "--port",
+        "0",
+        "--proxy-backend",
+        "http://127.0.0.1:9/v1",
+        "--proxy-backend-wait",
+        "1",
+    )
     assert done.returncode != 0
     assert "pass --proxy-model-name NAME" in done.stderr
-    proxy = command("proxy", "--backend", "http://127.0.0.1:9/v1")
+    proxy = command("proxy", "--backend", "http://127.0.0.1:9/v1", "--backend-wait", "0")
     assert proxy.returncode != 0
     assert "pass --model-name NAME" in proxy.stderr
 

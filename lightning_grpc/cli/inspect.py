@@ -365,12 +365,14 @@ def span_line(s: t.Span) -> str:
 
 
 def readable_first(attributes: Mapping[str, Any]) -> dict[str, Any]:
-    """A span's attributes for one line: its reward first, then the rest, the ids it repeats last."""
+    """A span's attributes for one line: its operation name and reward first, the ids it repeats last."""
     reward = semconv.read_reward(attributes)
     reward_keys = {k for k in attributes if k == semconv.REWARD_PRIMARY or k.startswith(semconv.SPAN_REWARD)}
     reward_keys |= {k for k in attributes if k.startswith("agentlightning.reward")}
     ids = {k: v for k, v in attributes.items() if k in ID_ATTRIBUTES}
     out: dict[str, Any] = {}
+    if semconv.OPERATION_NAME in attributes:
+        out[semconv.OPERATION_NAME] = attributes[semconv.OPERATION_NAME]
     if reward:
         out["reward"] = semconv.read_primary_reward(attributes)
         primary_name = attributes.get(semconv.REWARD_PRIMARY, semconv.PRIMARY)

@@ -11,6 +11,8 @@ import asyncio
 import json
 import logging
 import os
+import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -18,6 +20,9 @@ from lightning_grpc import logs
 from lightning_grpc.cli.inspect import add_store_option
 
 log = logging.getLogger("lightning_grpc.cli")
+
+#: How long serve and proxy wait for a backend that is still starting (connection refused) to list its model.
+BACKEND_START_WAIT = 60.0
 
 DEFAULT_HTTP_PORT = 4748
 DEFAULT_GRPC_PORT = 4749
@@ -40,6 +45,14 @@ def _backend_options(p: argparse.ArgumentParser, prefix: str) -> None:
         dest="proxy_model_name",
         metavar="NAME",
         help="the model name agents ask for (default: the first model the first backend lists)",
+    )
+    p.add_argument(
+        f"--{prefix}backend-wait",
+        dest="proxy_backend_wait",
+        metavar="SECONDS",
+        type=float,
+        default=BACKEND_START_WAIT,
+        help="without a model name, how long to wait for a backend still starting to list its model",
     )
     p.add_argument(
         f"--{prefix}backend-model",
@@ -129,13 +142,25 @@ def wants_proxy(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "proxy", False) or getattr(args, "proxy_backends", None))
 
 
-def discover_model(api_base: str, timeout: float = 10.0) -> str:
-    """The first model a backend lists at /v1/models."""
+def discover_model(api_base: str, timeout: float = 10.0, wait: float = BACKEND_START_WAIT) -> str:
+    """The first model a backend lists at /v1/models, waiting up to ``wait`` s for one still starting."""
     from lightning_grpc.proxy.backends import normalize_api_base
 
     url = normalize_api_base(api_base) + "/models"
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # a configured backend, never the internet
-        data = json.loads(resp.read())
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with urllib.request.urlopen(
+                url, timeout=timeout
+            ) as resp:  # a configured backend, never the internet
+                data = json.loads(resp.read())
+            break
+        except urllib.error.URLError as exc:
+            refused = isinstance(exc.reason, ConnectionRefusedError)
+            if not refused or time.monotonic() >= deadline:
+                raise
+            log.info("event=proxy_backend_waiting url=%s", url)
+            time.sleep(1.0)
     models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict) and m.get("id")]
     if not models:
         raise ValueError(f"{url} lists no model")
@@ -150,7 +175,7 @@ def proxy_config(args: argparse.Namespace, host: str, port: int, store: Any = ""
     backend_model = args.proxy_backend_model
     if not model_name and urls:
         try:
-            model_name = discover_model(urls[0])
+            model_name = discover_model(urls[0], wait=getattr(args, "proxy_backend_wait", BACKEND_START_WAIT))
         except (OSError, ValueError) as exc:
             option = f"--{getattr(args, 'proxy_option_prefix', '')}model-name"
             raise SystemExit(
