@@ -40,7 +40,9 @@ from lightning_grpc.errors import (
 )
 from lightning_grpc.types import (
     RETRYABLE_ATTEMPT_STATUSES,
+    AddSpansResult,
     Attempt,
+    AttemptHeartbeat,
     AttemptStatus,
     DeleteResult,
     Page,
@@ -52,6 +54,7 @@ from lightning_grpc.types import (
     RolloutSpec,
     RolloutStatus,
     Statistics,
+    WatchEvent,
     Worker,
     WorkerStatus,
     copy_rollout,
@@ -93,28 +96,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
-@dataclass
-class AddSpansResult:
-    sequence_ids: list[int]
-    stored_count: int
-    duplicate_count: int
-
-
-@dataclass
-class HeartbeatResult:
-    attempt: Attempt
-    rollout_status: RolloutStatus
-    cancelled: bool
-    should_stop: bool
-
-
-@dataclass
-class WatchEvent:
-    """A rollout change (``rollout`` set) or a progress message (``rollout`` None)."""
-
-    rollout: Rollout | None
-    resume_token: str
-    revision: int
+#: The name the store used for :class:`~lightning_grpc.types.AttemptHeartbeat` before it moved there.
+HeartbeatResult = AttemptHeartbeat
 
 
 @dataclass
@@ -870,7 +853,7 @@ class Store:
                 tx.rollouts[a.rollout_id] = rs
             self._record_change(rs, tx)
 
-    async def heartbeat_attempt(self, rollout_id: str, attempt_id: str) -> HeartbeatResult:
+    async def heartbeat_attempt(self, rollout_id: str, attempt_id: str) -> AttemptHeartbeat:
         """Keep an attempt alive; tell the runner whether to go on."""
         self._check_writable()
         rs, ast = self._attempt(rollout_id, attempt_id)
@@ -879,7 +862,7 @@ class Store:
         await self._apply(tx)
         a = ast.attempt
         cancelled = rs.rollout.status == RolloutStatus.CANCELLED
-        return HeartbeatResult(
+        return AttemptHeartbeat(
             attempt=replace(a),
             rollout_status=rs.rollout.status,
             cancelled=cancelled,
