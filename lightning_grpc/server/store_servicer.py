@@ -10,6 +10,7 @@ import grpc
 from lightning_grpc import convert
 from lightning_grpc.errors import InvalidArgumentError, LightningError
 from lightning_grpc.store import SpanSelection, Store
+from lightning_grpc.v1 import common_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
@@ -36,7 +37,7 @@ def _wait(request: Any, field: str) -> float | None:
 
 
 def _descending(order: int) -> bool:
-    return order == 2  # SORT_ORDER_DESCENDING
+    return order == common_pb2.SORT_ORDER_DESCENDING
 
 
 class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
