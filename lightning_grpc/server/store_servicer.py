@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from lightning_grpc import convert
 from lightning_grpc.errors import InvalidArgumentError, LightningError
-from lightning_grpc.store import SpanSelection, Store
+from lightning_grpc.store import DequeueRequest, SpanSelection, Store
 from lightning_grpc.v1 import common_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
@@ -40,6 +40,16 @@ def _descending(order: int) -> bool:
     return order == common_pb2.SORT_ORDER_DESCENDING
 
 
+def _before_deadline(context: Ctx) -> Callable[[float], float]:
+    """Shortens a wait (seconds) so that the answer comes before the caller's deadline."""
+
+    def bound(wait: float) -> float:
+        remaining = context.time_remaining()
+        return wait if remaining is None else max(0.0, min(wait, remaining - 0.05))
+
+    return bound
+
+
 class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -66,24 +76,18 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def DequeueRollouts(
         self, request: pb.DequeueRolloutsRequest, context: Ctx
     ) -> pb.DequeueRolloutsResponse:
+        wait = self._bounded_wait(request, "wait_timeout", context)
+        rollouts = await self.store.dequeue_rollouts(
+            request.worker_id, request.max_rollouts, wait, request.request_id
+        )
         resp = pb.DequeueRolloutsResponse()
-        for r in await self._dequeue(request, context):
+        for r in rollouts:
             convert.rollout_to_pb(r, resp.rollouts.add())
         return resp
 
     def _bounded_wait(self, request: Any, field: str, context: Ctx) -> float:
         """A request's wait, validated, then shortened so the answer comes before the caller's deadline."""
-        wait = self.store.check_wait(_wait(request, field), field)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            wait = max(0.0, min(wait, remaining - 0.05))
-        return wait
-
-    async def _dequeue(self, request: pb.DequeueRolloutsRequest, context: Ctx) -> list[Any]:
-        wait = self._bounded_wait(request, "wait_timeout", context)
-        return await self.store.dequeue_rollouts(
-            request.worker_id, request.max_rollouts, wait, request.request_id
-        )
+        return _before_deadline(context)(self.store.check_wait(_wait(request, field), field))
 
     @unary
     async def StartAttempt(self, request: pb.StartAttemptRequest, context: Ctx) -> pb.StartAttemptResponse:
@@ -196,12 +200,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def CompleteAttempt(
         self, request: pb.CompleteAttemptRequest, context: Ctx
     ) -> pb.CompleteAttemptResponse:
-        nxt = request.dequeue_next if request.HasField("dequeue_next") else None
-        if nxt is not None:  # refuse a bad dequeue before anything is stored
-            self.store.check_dequeue(
-                nxt.worker_id, nxt.max_rollouts, _wait(nxt, "wait_timeout"), nxt.request_id
-            )
-        attempt, rollout = await self.store.complete_attempt(
+        outcome = (
             request.rollout_id,
             request.attempt_id,
             request.status,
@@ -210,11 +209,21 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             convert.span_records([s.SerializeToString() for s in request.spans]) if request.spans else None,
         )
         resp = pb.CompleteAttemptResponse()
+        if request.HasField("dequeue_next"):
+            nxt = request.dequeue_next
+            attempt, rollout, claimed = await self.store.complete_and_dequeue(
+                *outcome,
+                dequeue_next=DequeueRequest(
+                    nxt.worker_id, nxt.max_rollouts, _wait(nxt, "wait_timeout"), nxt.request_id
+                ),
+                bound_wait=_before_deadline(context),
+            )
+            for r in claimed:
+                convert.rollout_to_pb(r, resp.next_rollouts.add())
+        else:
+            attempt, rollout = await self.store.complete_attempt(*outcome)
         convert.attempt_to_pb(attempt, resp.attempt)
         convert.rollout_to_pb(rollout, resp.rollout)
-        if nxt is not None:
-            for r in await self._dequeue(nxt, context):
-                convert.rollout_to_pb(r, resp.next_rollouts.add())
         return resp
 
     # ------------------------------------------------------------ spans

@@ -101,6 +101,16 @@ HeartbeatResult = AttemptHeartbeat
 
 
 @dataclass
+class DequeueRequest:
+    """A dequeue to run once an attempt's outcome is stored (see :meth:`Store.complete_and_dequeue`)."""
+
+    worker_id: str = ""
+    max_rollouts: int = 1
+    wait_timeout: float | None = None
+    request_id: str = ""
+
+
+@dataclass
 class SpanSelection:
     rollout_id: str
     attempt_id: str = ""
@@ -922,6 +932,34 @@ class Store:
         self._propagate(rs, ast, now, tx)
         await self._apply(tx)
         return replace(a), self._snapshot(rs)
+
+    async def complete_and_dequeue(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: int,
+        message: str = "",
+        metadata: dict[str, Any] | None = None,
+        spans: list[SpanRecord] | None = None,
+        *,
+        dequeue_next: DequeueRequest,
+        bound_wait: Callable[[float], float] | None = None,
+    ) -> tuple[Attempt, Rollout, list[Rollout]]:
+        """:meth:`complete_attempt`, then :meth:`dequeue_rollouts` as ``dequeue_next`` says.
+
+        A bad dequeue is refused before anything is stored. ``bound_wait`` may shorten the dequeue's wait
+        (in seconds) when it begins, for example to answer before the caller's deadline.
+        """
+        nxt = dequeue_next
+        self.check_dequeue(nxt.worker_id, nxt.max_rollouts, nxt.wait_timeout, nxt.request_id)
+        attempt, rollout = await self.complete_attempt(
+            rollout_id, attempt_id, status, message, metadata, spans
+        )
+        wait = self._check_wait(nxt.wait_timeout, "wait_timeout")
+        if bound_wait is not None:
+            wait = bound_wait(wait)
+        claimed = await self.dequeue_rollouts(nxt.worker_id, nxt.max_rollouts, wait, nxt.request_id)
+        return attempt, rollout, claimed
 
     def _end_attempt(
         self, ast: AttemptState, status: AttemptStatus, message: str, now: float, tx: Txn
