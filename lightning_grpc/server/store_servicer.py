@@ -50,6 +50,14 @@ def _before_deadline(context: Ctx) -> Callable[[float], float]:
     return bound
 
 
+#: How UpdateRollout reads the updatable fields (Store.UPDATABLE) that are messages; the others are scalars.
+_UPDATE_READERS: dict[str, Callable[[pb.UpdateRolloutRequest], Any]] = {
+    "input": lambda m: convert.value_to_python(m.input) if m.HasField("input") else None,
+    "config": lambda m: convert.config_from_pb(m.config),
+    "metadata": lambda m: convert.struct_to_dict(m.metadata),
+}
+
+
 class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -103,25 +111,12 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             paths = [f.name for f, _ in request.ListFields() if f.name not in ("rollout_id", "update_mask")]
         changes: dict[str, Any] = {}
         for path in paths:
-            if path == "input":
-                changes["input"] = (
-                    convert.value_to_python(request.input) if request.HasField("input") else None
-                )
-            elif path == "mode":
-                changes["mode"] = request.mode
-            elif path == "resources_id":
-                changes["resources_id"] = request.resources_id
-            elif path == "group_id":
-                changes["group_id"] = request.group_id
-            elif path == "config":
-                changes["config"] = convert.config_from_pb(request.config)
-            elif path == "metadata":
-                changes["metadata"] = convert.struct_to_dict(request.metadata)
-            else:
+            if path not in Store.UPDATABLE:
                 raise InvalidArgumentError(
-                    "update_mask",
-                    f"unknown path {path!r}; updatable: input, mode, resources_id, group_id, config, metadata",
+                    "update_mask", f"unknown path {path!r}; updatable: {', '.join(Store.UPDATABLE)}"
                 )
+            read = _UPDATE_READERS.get(path)
+            changes[path] = read(request) if read is not None else getattr(request, path)
         rollout = await self.store.update_rollout(request.rollout_id, changes)
         resp = pb.UpdateRolloutResponse()
         convert.rollout_to_pb(rollout, resp.rollout)

@@ -685,16 +685,17 @@ class Store:
         await self._apply(tx)
         return self._snapshot(rs)
 
-    _UPDATABLE = ("input", "mode", "resources_id", "group_id", "config", "metadata")
+    #: The rollout fields :meth:`update_rollout` changes, in the order error messages list them.
+    UPDATABLE = ("input", "mode", "resources_id", "group_id", "config", "metadata")
 
     async def update_rollout(self, rollout_id: str, changes: dict[str, Any]) -> Rollout:
         """Change some of input, mode, resources_id, group_id, config, metadata (never the status)."""
         self._check_writable()
         rs = self._rollout(rollout_id)
-        unknown = sorted(set(changes) - set(self._UPDATABLE))
+        unknown = sorted(set(changes) - set(self.UPDATABLE))
         if unknown:
             raise InvalidArgumentError(
-                "update_mask", f"cannot update {', '.join(unknown)}; updatable: {', '.join(self._UPDATABLE)}"
+                "changes", f"cannot update {', '.join(unknown)}; updatable: {', '.join(self.UPDATABLE)}"
             )
         values = dict(changes)
         if "input" in values:
