@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -18,6 +19,15 @@ from . import wire
 from .adapter import ServicerState, Undecodable, register_service, streaming, unary
 
 Ctx = grpc.aio.ServicerContext
+
+#: The largest google.protobuf.Duration (about 10,000 years): a longer timeout could not be sent back.
+MAX_DURATION_SECONDS = 315_576_000_000.999_999_999
+
+
+def check_duration(seconds: float, field: str) -> None:
+    """The store's rule for rollout timeouts when they travel as google.protobuf.Duration (``Store(timeout_rule=)``)."""
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_DURATION_SECONDS:
+        raise InvalidArgumentError(field, f"must be a positive google.protobuf.Duration (got {seconds:g} s)")
 
 
 def _selection(sel: pb.SpanSelector) -> SpanSelection:
@@ -442,4 +452,4 @@ def add_store_service(servicer: StoreServicer, server: grpc.aio.Server) -> None:
     )
 
 
-__all__ = ["StoreServicer", "add_store_service"]
+__all__ = ["MAX_DURATION_SECONDS", "StoreServicer", "add_store_service", "check_duration"]

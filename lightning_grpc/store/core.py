@@ -83,8 +83,6 @@ MAX_SPAN_SEQUENCE_RESERVATION = 1_000_000
 MAX_WAIT_SECONDS = 3600.0
 MAX_ATTEMPTS_LIMIT = 1000
 MAX_WAIT_IDS = 100_000
-#: The largest google.protobuf.Duration (about 10,000 years).
-MAX_DURATION_SECONDS = 315_576_000_000.999_999_999
 MAX_SEQUENCE_ID = 2**62
 ROLLOUT_OVERHEAD_BYTES = 1024
 ATTEMPT_OVERHEAD_BYTES = 320
@@ -141,13 +139,17 @@ class Store:
         max_span_bytes: int = 16 * 1024 * 1024,
         change_retention: int = 10_000,
         span_index_capacity: int = 250_000,
+        timeout_rule: Callable[[float, str], None] | None = None,
     ) -> None:
+        """``timeout_rule(seconds, field)`` refuses a rollout timeout the store cannot take (raising
+        InvalidArgumentError); by default :func:`check_timeout`. A server passes the rule of its wire."""
         self.backend = backend
         self.clock = clock
         self.max_memory_bytes = max_memory_bytes if backend.in_memory else None
         self.max_span_bytes = max_span_bytes
         self.change_retention = change_retention
         self.span_index_capacity = span_index_capacity
+        self.timeout_rule = timeout_rule or check_timeout
         self.store_id = ""
         self._started_at = time.monotonic()
         self._rollouts: dict[str, RolloutState] = {}
@@ -383,10 +385,8 @@ class Store:
     def _check_config(self, config: RolloutConfig, field: str) -> RolloutConfig:
         for name in ("timeout", "unresponsive_timeout"):
             value = getattr(config, name)
-            if value is not None and (not math.isfinite(value) or value <= 0 or value > MAX_DURATION_SECONDS):
-                raise InvalidArgumentError(
-                    f"{field}.{name}", f"must be a positive google.protobuf.Duration (got {value:g} s)"
-                )
+            if value is not None:
+                self.timeout_rule(value, f"{field}.{name}")
         if config.max_attempts < 0 or config.max_attempts > MAX_ATTEMPTS_LIMIT:
             raise InvalidArgumentError(
                 f"{field}.max_attempts",
@@ -1819,6 +1819,12 @@ class Store:
 
 def _fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_timeout(seconds: float, field: str) -> None:
+    """A rollout timeout is a finite, positive number of seconds."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidArgumentError(field, f"must be a positive number of seconds (got {seconds:g} s)")
 
 
 def check_json(value: Any, field: str, depth: int = 0) -> None:
