@@ -14,6 +14,9 @@ from .transitions import Transitions
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 
+#: A span's rollout and attempt, as the store holds them.
+Target = tuple[RolloutState, AttemptState]
+
 
 class SpanStaging(Transitions):
     """The span-id indexes of attempts, and :meth:`_stage_spans`, used by add_spans and complete_attempt."""
@@ -48,16 +51,37 @@ class SpanStaging(Transitions):
     def _stage_spans(
         self, records: list[SpanRecord], rollout_id: str, attempt_id: str, tx: Txn
     ) -> AddSpansResult:
-        """Validate spans (refusing the whole batch on any fault), then add them to ``tx``."""
+        """Validate spans (refusing the whole batch on any fault), then add them to ``tx``.
+
+        Nothing changes before every check passed, so a refusal leaves nothing behind.
+        """
         if len(records) > MAX_BATCH_SPANS:
             raise InvalidArgumentError(
                 "spans", f"must hold at most {MAX_BATCH_SPANS} spans (got {len(records)})"
             )
         now = self.clock()
-        # Pass 1: resolve and validate everything; no state changes, so a refusal leaves nothing behind.
-        targets: list[tuple[RolloutState, AttemptState]] = []
+        targets, batch_bytes = self._check_spans(records, rollout_id, attempt_id)
+        self._check_client_numbers(records, targets)
+        self._ensure_memory(batch_bytes)
+        _reserve_client_numbers(records, targets)
+        result, stored_bytes = self._number_and_store(records, targets, tx)
+        for rs, ast in {t[1].attempt.attempt_id: t for t in targets}.values():
+            ast.index_used_at = now
+            self._touch(rs, ast, now, tx)
+            tx.attempts[ast.attempt.attempt_id] = ast
+            tx.span_rollouts.add(rs.rollout.rollout_id)
+        self._indexed_spans += result.stored_count
+        self._total_spans += result.stored_count
+        self._memory_bytes += stored_bytes
+        return result
+
+    def _check_spans(
+        self, records: list[SpanRecord], rollout_id: str, attempt_id: str
+    ) -> tuple[list[Target], int]:
+        """Each span's attempt (the request's ids fill in missing ones) and the bytes the batch adds."""
+        targets: list[Target] = []
         cache_key: tuple[str, str] = ("", "")
-        cache_val: tuple[RolloutState, AttemptState] | None = None
+        cache_val: Target | None = None
         batch_bytes = 0
         hex16, hex32 = _HEX16.fullmatch, _HEX32.fullmatch
         for i, rec in enumerate(records):
@@ -95,7 +119,10 @@ class SpanStaging(Transitions):
                     field=f"spans[{i}]",
                 )
             batch_bytes += size + SPAN_OVERHEAD_BYTES
-        # Client-numbered spans: their ids must be unused in the attempt.
+        return targets, batch_bytes
+
+    def _check_client_numbers(self, records: list[SpanRecord], targets: list[Target]) -> None:
+        """New client-numbered spans use numbers unused in their attempt (a resent span keeps its own)."""
         claimed: dict[str, set[int]] = {}
         batch_ids: dict[str, set[str]] = {}
         for i, rec in enumerate(records):
@@ -114,14 +141,12 @@ class SpanStaging(Transitions):
                     )
                 mine.add(rec.sequence_id)
                 batch_ids.setdefault(rec.attempt_id, set()).add(rec.span_id)
-        self._ensure_memory(batch_bytes)
-        # Client-numbered spans claim their ids first, so automatic numbers go above them.
-        for i, rec in enumerate(records):
-            if rec.sequence_id:
-                ast = targets[i][1]
-                if rec.sequence_id >= ast.next_sequence_id:
-                    ast.next_sequence_id = rec.sequence_id + 1
-        # Pass 2: assign sequence ids and store.
+
+    def _number_and_store(
+        self, records: list[SpanRecord], targets: list[Target], tx: Txn
+    ) -> tuple[AddSpansResult, int]:
+        """Give each new span its sequence id and put it into ``tx``; a span id already stored is a
+        duplicate answered with its number. Returns the result and the bytes stored."""
         sequence_ids = [0] * len(records)
         stored = duplicates = 0
         stored_bytes = 0
@@ -133,7 +158,7 @@ class SpanStaging(Transitions):
                 sequence_ids[i] = seq
                 duplicates += 1
                 continue
-            if rec.sequence_id:  # its number was claimed above
+            if rec.sequence_id:  # its number was reserved by _reserve_client_numbers
                 seq = rec.sequence_id
             else:
                 seq = ast.next_sequence_id
@@ -150,12 +175,14 @@ class SpanStaging(Transitions):
             size = len(rec.body) + SPAN_OVERHEAD_BYTES
             rs.bytes += size
             stored_bytes += size
-        for rs, ast in {t[1].attempt.attempt_id: t for t in targets}.values():
-            ast.index_used_at = now
-            self._touch(rs, ast, now, tx)
-            tx.attempts[ast.attempt.attempt_id] = ast
-            tx.span_rollouts.add(rs.rollout.rollout_id)
-        self._indexed_spans += stored
-        self._total_spans += stored
-        self._memory_bytes += stored_bytes
-        return AddSpansResult(sequence_ids=sequence_ids, stored_count=stored, duplicate_count=duplicates)
+        result = AddSpansResult(sequence_ids=sequence_ids, stored_count=stored, duplicate_count=duplicates)
+        return result, stored_bytes
+
+
+def _reserve_client_numbers(records: list[SpanRecord], targets: list[Target]) -> None:
+    """Client-numbered spans claim their numbers first, so that automatic numbers go above them."""
+    for i, rec in enumerate(records):
+        if rec.sequence_id:
+            ast = targets[i][1]
+            if rec.sequence_id >= ast.next_sequence_id:
+                ast.next_sequence_id = rec.sequence_id + 1
