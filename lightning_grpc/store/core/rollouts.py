@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import json
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -34,7 +36,7 @@ from .validation import (
     check_mode,
     check_wait,
     check_worker_id,
-    fingerprint_of,
+    rollout_statuses,
 )
 
 log = logging.getLogger("lightning_grpc.store")
@@ -54,7 +56,7 @@ class RolloutsSection(SpanStaging):
         metadata = check_metadata(spec.metadata, f"{field}.metadata")
         if spec.resources_id:
             self._resources_state(spec.resources_id, f"{field}.resources_id")
-        fingerprint = fingerprint_of(
+        fingerprint = _fingerprint(
             spec.input, int(mode), spec.resources_id, spec.group_id, rows.config_to_dict(config), metadata
         )
         return replace(spec, mode=mode, config=config, metadata=metadata), fingerprint
@@ -162,25 +164,8 @@ class RolloutsSection(SpanStaging):
             if done is not None:
                 await self._durable()
                 return [self._snapshot(self._rollouts[rid]) for rid in done if rid in self._rollouts]
+        await self._wait_for_queue(wait)
         limit = max(1, max_rollouts)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        while True:
-            self._check_writable()
-            if self._queue or self._closing:
-                break
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            fut: asyncio.Future[None] = loop.create_future()
-            self._dequeue_waiters.append(fut)
-            try:
-                await asyncio.wait_for(fut, remaining)
-            except TimeoutError:
-                pass
-            finally:
-                if fut in self._dequeue_waiters:
-                    self._dequeue_waiters.remove(fut)
         now = self.clock()
         tx = Txn()
         claimed: list[RolloutState] = []
@@ -205,6 +190,27 @@ class RolloutsSection(SpanStaging):
                     del self._dequeue_requests[key]
         await self._apply(tx)
         return [self._snapshot(rs) for rs in claimed]
+
+    async def _wait_for_queue(self, wait: float) -> None:
+        """Return once the queue holds a rollout, the store is closing, or ``wait`` seconds passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            self._check_writable()
+            if self._queue or self._closing:
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            fut: asyncio.Future[None] = loop.create_future()
+            self._dequeue_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except TimeoutError:
+                pass
+            finally:
+                if fut in self._dequeue_waiters:
+                    self._dequeue_waiters.remove(fut)
 
     def check_dequeue(
         self, worker_id: str, max_rollouts: int, wait_timeout: float | None, request_id: str = ""
@@ -332,12 +338,7 @@ class RolloutsSection(SpanStaging):
         page_size: int = 0,
         page_token: str = "",
     ) -> Page:
-        status_set = set()
-        for i, s in enumerate(statuses):
-            try:
-                status_set.add(RolloutStatus(s))
-            except ValueError:
-                raise InvalidArgumentError(f"statuses[{i}]", f"is not a rollout status (got {s})") from None
+        status_set = rollout_statuses(statuses)
         id_set = set(rollout_ids)
         order = order_by or "create_time"
         key = self._ORDER_KEYS.get(order)
@@ -383,3 +384,8 @@ class RolloutsSection(SpanStaging):
         return Page(
             items=[copy_rollout(rs.rollout) for rs in page], next_page_token=token, total_size=len(matches)
         )
+
+
+def _fingerprint(*parts: Any) -> str:
+    """What makes two rollout specs the same, so that resending one with its id is harmless."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

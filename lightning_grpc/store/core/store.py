@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_grpc.types import Attempt, Rollout
 
-from ..state import SpanRecord
+from ..state import LoadedState, SpanRecord
 from .attempts import AttemptsSection
 from .base import DequeueRequest
 from .for_cores import ForCoresSection
@@ -41,7 +41,26 @@ class Store(
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Store:
-        loaded = await self.backend.open()
+        """Load what the backend holds, schedule the deadlines of active attempts, start the timers."""
+        self._load(await self.backend.open())
+        self._watchdog_wake = asyncio.Event()
+        for ast in self._attempts.values():
+            if ast.attempt.status.is_active:
+                self._schedule(ast)
+        self._tasks = [
+            asyncio.create_task(self._watchdog(), name="lightning-store-watchdog"),
+            asyncio.create_task(self._housekeeping(), name="lightning-store-housekeeping"),
+        ]
+        log.info(
+            "event=store_started backend=%s store_id=%s rollouts=%d queued=%d",
+            self.backend.name,
+            self.store_id,
+            len(self._rollouts),
+            len(self._queue),
+        )
+        return self
+
+    def _load(self, loaded: LoadedState) -> None:
         self.store_id = loaded.store_id
         max_queue_seq = 0
         for rs in loaded.rollouts:
@@ -73,22 +92,6 @@ class Store(
         self._revision = self._committed_revision = loaded.revision
         self._total_spans = loaded.total_spans
         self._meta = dict(loaded.meta)
-        self._watchdog_wake = asyncio.Event()
-        for ast in self._attempts.values():
-            if ast.attempt.status.is_active:
-                self._schedule(ast)
-        self._tasks = [
-            asyncio.create_task(self._watchdog(), name="lightning-store-watchdog"),
-            asyncio.create_task(self._housekeeping(), name="lightning-store-housekeeping"),
-        ]
-        log.info(
-            "event=store_started backend=%s store_id=%s rollouts=%d queued=%d",
-            self.backend.name,
-            self.store_id,
-            len(self._rollouts),
-            len(self._queue),
-        )
-        return self
 
     def begin_shutdown(self) -> None:
         """Stop waiting: long-polling dequeues answer empty, watches and tails end."""
@@ -120,6 +123,7 @@ class Store(
         await self.backend.close()
         log.info("event=store_closed backend=%s", self.backend.name)
 
+    # ------------------------------------------------------------------ across sections
     async def complete_and_dequeue(
         self,
         rollout_id: str,

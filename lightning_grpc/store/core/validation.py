@@ -3,11 +3,9 @@ naming the field, and touches no state."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -18,6 +16,7 @@ from lightning_grpc.types import (
     Resource,
     RolloutConfig,
     RolloutMode,
+    RolloutStatus,
 )
 
 from .. import rows
@@ -85,6 +84,17 @@ def check_limit(value: int, field: str, maximum: int) -> None:
         raise InvalidArgumentError(field, f"must be between 0 and {maximum} (got {value})")
 
 
+def rollout_statuses(statuses: Iterable[int], field: str = "statuses") -> set[RolloutStatus]:
+    """A filter's rollout statuses, each a known one."""
+    wanted = set()
+    for i, s in enumerate(statuses):
+        try:
+            wanted.add(RolloutStatus(s))
+        except ValueError:
+            raise InvalidArgumentError(f"{field}[{i}]", f"is not a rollout status (got {s})") from None
+    return wanted
+
+
 def check_wait(seconds: float | None, field: str) -> float:
     if seconds is None:
         return 0.0
@@ -121,7 +131,3 @@ def check_json(value: Any, field: str, depth: int = 0) -> None:
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
             check_json(v, f"{field}[{i}]" if len(field) < 200 else field, depth + 1)
-
-
-def fingerprint_of(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

@@ -6,12 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 from lightning_grpc.errors import InvalidArgumentError, OutOfRangeError
-from lightning_grpc.types import Rollout, RolloutStatus, WatchEvent, copy_rollout
+from lightning_grpc.types import Rollout, WatchEvent, copy_rollout
 
 from .base import _FinishWaiter
 from .limits import MAX_WAIT_IDS
 from .staging import SpanStaging
-from .validation import check_wait
+from .validation import check_wait, rollout_statuses
 
 
 class WaitingSection(SpanStaging):
@@ -67,7 +67,7 @@ class WaitingSection(SpanStaging):
                 reason="RESUME_TOKEN_EXPIRED",
             )
         revision = int(rev)
-        first = self._changes[0].revision if self._changes else self._committed_revision + 1
+        first = self._first_retained()
         if revision > self._committed_revision or revision < first - 1:
             raise OutOfRangeError(
                 f"resume_token revision {revision} is outside the retained history "
@@ -76,6 +76,21 @@ class WaitingSection(SpanStaging):
                 revision=str(revision),
             )
         return revision
+
+    def _first_retained(self) -> int:
+        """The first revision the change log still holds (the next one while it holds none)."""
+        return self._changes[0].revision if self._changes else self._committed_revision + 1
+
+    def _retained_after(self, cursor: int) -> int:
+        """The first retained revision; refuses a watcher whose ``cursor`` fell behind the change log."""
+        first = self._first_retained()
+        if cursor < first - 1:
+            raise OutOfRangeError(
+                "this watcher fell behind the retained history; resume from a fresh list",
+                reason="RESUME_TOKEN_EXPIRED",
+                revision=str(cursor),
+            )
+        return first
 
     async def watch_rollouts(
         self,
@@ -87,35 +102,17 @@ class WaitingSection(SpanStaging):
         """Rollout changes after ``resume_token`` (or from now), with progress messages while idle."""
         interval = check_wait(progress_interval, "progress_interval") or 5.0
         ids = set(rollout_ids)
-        status_set = set()
-        for i, s in enumerate(statuses):
-            try:
-                status_set.add(RolloutStatus(s))
-            except ValueError:
-                raise InvalidArgumentError(f"statuses[{i}]", f"is not a rollout status (got {s})") from None
+        status_set = rollout_statuses(statuses)
         await self._durable()
         cursor = self._parse_token(resume_token) if resume_token else self._committed_revision
         yield WatchEvent(None, self._token(cursor), cursor)
         loop = asyncio.get_running_loop()
         while True:
-            first = self._changes[0].revision if self._changes else self._committed_revision + 1
-            if cursor < first - 1:
-                raise OutOfRangeError(
-                    "this watcher fell behind the retained history; resume from a fresh list",
-                    reason="RESUME_TOKEN_EXPIRED",
-                    revision=str(cursor),
-                )
+            self._retained_after(cursor)
             sent = False
             while cursor < self._committed_revision:
                 # the log may have been trimmed while this generator was suspended at a yield
-                first = self._changes[0].revision if self._changes else self._committed_revision + 1
-                if cursor < first - 1:
-                    raise OutOfRangeError(
-                        "this watcher fell behind the retained history; resume from a fresh list",
-                        reason="RESUME_TOKEN_EXPIRED",
-                        revision=str(cursor),
-                    )
-                change = self._changes[cursor + 1 - first]
+                change = self._changes[cursor + 1 - self._retained_after(cursor)]
                 cursor = change.revision
                 r = change.rollout
                 if (not ids or r.rollout_id in ids) and (not status_set or r.status in status_set):
