@@ -25,7 +25,7 @@ MAX_DURATION_SECONDS = 315_576_000_000.999_999_999
 
 
 def check_duration(seconds: float, field: str) -> None:
-    """The store's rule for rollout timeouts when they travel as google.protobuf.Duration (``Store(timeout_rule=)``)."""
+    """The store's rule for rollout timeouts that travel as google.protobuf.Duration (its timeout_rule)."""
     if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_DURATION_SECONDS:
         raise InvalidArgumentError(field, f"must be a positive google.protobuf.Duration (got {seconds:g} s)")
 
