@@ -285,6 +285,34 @@ class DeleteResult:
 
 
 @dataclass
+class AddSpansResult:
+    """What a batch of spans became: each span's sequence id, in request order, and the counts."""
+
+    sequence_ids: list[int]
+    stored_count: int
+    duplicate_count: int
+
+
+@dataclass
+class AttemptHeartbeat:
+    """The answer to an attempt's heartbeat: the attempt now, and whether its runner should stop."""
+
+    attempt: Attempt
+    rollout_status: RolloutStatus
+    cancelled: bool
+    should_stop: bool
+
+
+@dataclass
+class WatchEvent:
+    """A rollout change (``rollout`` set) or a progress message (``rollout`` None)."""
+
+    rollout: Rollout | None
+    resume_token: str
+    revision: int
+
+
+@dataclass
 class Page:
     """One page of a list call."""
 

@@ -13,9 +13,8 @@ from collections.abc import Iterable
 from lightning_grpc import convert
 from lightning_grpc import types as t
 from lightning_grpc.store import Store
+from lightning_grpc.types import AddSpansResult, AttemptHeartbeat
 from lightning_grpc.v1 import span_pb2
-
-from .store import AddSpansResult, AttemptHeartbeat
 
 
 class LocalStoreClient:
@@ -23,8 +22,7 @@ class LocalStoreClient:
         self.store = store
 
     async def heartbeat_attempt(self, rollout_id: str, attempt_id: str) -> AttemptHeartbeat:
-        beat = await self.store.heartbeat_attempt(rollout_id, attempt_id)
-        return AttemptHeartbeat(beat.attempt, beat.rollout_status, beat.cancelled, beat.should_stop)
+        return await self.store.heartbeat_attempt(rollout_id, attempt_id)
 
     async def get_rollout(self, rollout_id: str) -> t.Rollout:
         return await self.store.get_rollout(rollout_id)
@@ -39,8 +37,7 @@ class LocalStoreClient:
         bodies = [
             (s if isinstance(s, span_pb2.Span) else convert.span_to_pb(s)).SerializeToString() for s in spans
         ]
-        result = await self.store.add_spans(convert.span_records(bodies), rollout_id, attempt_id)
-        return AddSpansResult(result.sequence_ids, result.stored_count, result.duplicate_count)
+        return await self.store.add_spans(convert.span_records(bodies), rollout_id, attempt_id)
 
     async def close(self) -> None:
         """Nothing to close: the Store belongs to the server."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -13,6 +12,7 @@ import grpc
 from lightning_grpc import convert
 from lightning_grpc import types as t
 from lightning_grpc.errors import InvalidArgumentError, LightningError, NotFoundError, UnavailableError
+from lightning_grpc.types import AddSpansResult, AttemptHeartbeat, WatchEvent
 from lightning_grpc.v1 import span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
@@ -36,28 +36,6 @@ def _enum(kind: type[T], value: Any) -> T:
         return kind(value)  # type: ignore[call-arg]
     except ValueError:
         return value  # type: ignore[no-any-return]  # an unknown number: the server answers INVALID_ARGUMENT
-
-
-@dataclass
-class AddSpansResult:
-    sequence_ids: list[int]
-    stored_count: int
-    duplicate_count: int
-
-
-@dataclass
-class AttemptHeartbeat:
-    attempt: t.Attempt
-    rollout_status: t.RolloutStatus
-    cancelled: bool
-    should_stop: bool
-
-
-@dataclass
-class WatchEvent:
-    rollout: t.Rollout | None
-    resume_token: str
-    revision: int
 
 
 def make_channel(config: ClientConfig) -> grpc.aio.Channel:

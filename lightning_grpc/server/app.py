@@ -23,7 +23,7 @@ from lightning_grpc.v1 import store_service_pb2
 from .adapter import ServicerState
 from .auth import BearerTokenInterceptor
 from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
-from .store_servicer import StoreServicer, add_store_service
+from .store_servicer import StoreServicer, add_store_service, check_duration
 from .trainer_servicer import TRAINER_SERVICE, TrainerServicer, add_trainer_service, span_reader
 
 log = logging.getLogger("lightning_grpc.server")
@@ -103,7 +103,12 @@ class RunningServer:
 
 def make_store(config: ServerConfig) -> Store:
     backend = SqliteBackend(config.db) if config.db is not None else MemoryBackend()
-    return Store(backend, max_memory_bytes=config.max_memory_bytes, max_span_bytes=config.max_span_bytes)
+    return Store(
+        backend,
+        max_memory_bytes=config.max_memory_bytes,
+        max_span_bytes=config.max_span_bytes,
+        timeout_rule=check_duration,
+    )
 
 
 def listen(
@@ -152,7 +157,8 @@ def _check_free(host: str, port: int, address: str) -> None:
 
 
 async def start_server(config: ServerConfig, store: Store | None = None) -> RunningServer:
-    """Open the store (unless given, already started) and serve it; returns once listening."""
+    """Open the store (unless given, already started: make it with :func:`make_store`, so that it takes only
+    timeouts the wire can carry) and serve it; returns once listening."""
     if store is None:
         store = await make_store(config).start()
     interceptors = [BearerTokenInterceptor(config.token)] if config.token else []

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from lightning_grpc import convert
 from lightning_grpc.errors import InvalidArgumentError, LightningError
-from lightning_grpc.store import SpanSelection, Store
+from lightning_grpc.store import DequeueRequest, SpanSelection, Store
+from lightning_grpc.v1 import common_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
@@ -17,6 +19,15 @@ from . import wire
 from .adapter import ServicerState, Undecodable, register_service, streaming, unary
 
 Ctx = grpc.aio.ServicerContext
+
+#: The largest google.protobuf.Duration (about 10,000 years): a longer timeout could not be sent back.
+MAX_DURATION_SECONDS = 315_576_000_000.999_999_999
+
+
+def check_duration(seconds: float, field: str) -> None:
+    """The store's rule for rollout timeouts that travel as google.protobuf.Duration (its timeout_rule)."""
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_DURATION_SECONDS:
+        raise InvalidArgumentError(field, f"must be a positive google.protobuf.Duration (got {seconds:g} s)")
 
 
 def _selection(sel: pb.SpanSelector) -> SpanSelection:
@@ -36,7 +47,25 @@ def _wait(request: Any, field: str) -> float | None:
 
 
 def _descending(order: int) -> bool:
-    return order == 2  # SORT_ORDER_DESCENDING
+    return order == common_pb2.SORT_ORDER_DESCENDING
+
+
+def _before_deadline(context: Ctx) -> Callable[[float], float]:
+    """Shortens a wait (seconds) so that the answer comes before the caller's deadline."""
+
+    def bound(wait: float) -> float:
+        remaining = context.time_remaining()
+        return wait if remaining is None else max(0.0, min(wait, remaining - 0.05))
+
+    return bound
+
+
+#: How UpdateRollout reads the updatable fields (Store.UPDATABLE) that are messages; the others are scalars.
+_UPDATE_READERS: dict[str, Callable[[pb.UpdateRolloutRequest], Any]] = {
+    "input": lambda m: convert.value_to_python(m.input) if m.HasField("input") else None,
+    "config": lambda m: convert.config_from_pb(m.config),
+    "metadata": lambda m: convert.struct_to_dict(m.metadata),
+}
 
 
 class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
@@ -65,24 +94,18 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def DequeueRollouts(
         self, request: pb.DequeueRolloutsRequest, context: Ctx
     ) -> pb.DequeueRolloutsResponse:
+        wait = self._bounded_wait(request, "wait_timeout", context)
+        rollouts = await self.store.dequeue_rollouts(
+            request.worker_id, request.max_rollouts, wait, request.request_id
+        )
         resp = pb.DequeueRolloutsResponse()
-        for r in await self._dequeue(request, context):
+        for r in rollouts:
             convert.rollout_to_pb(r, resp.rollouts.add())
         return resp
 
     def _bounded_wait(self, request: Any, field: str, context: Ctx) -> float:
         """A request's wait, validated, then shortened so the answer comes before the caller's deadline."""
-        wait = self.store.check_wait(_wait(request, field), field)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            wait = max(0.0, min(wait, remaining - 0.05))
-        return wait
-
-    async def _dequeue(self, request: pb.DequeueRolloutsRequest, context: Ctx) -> list[Any]:
-        wait = self._bounded_wait(request, "wait_timeout", context)
-        return await self.store.dequeue_rollouts(
-            request.worker_id, request.max_rollouts, wait, request.request_id
-        )
+        return _before_deadline(context)(self.store.check_wait(_wait(request, field), field))
 
     @unary
     async def StartAttempt(self, request: pb.StartAttemptRequest, context: Ctx) -> pb.StartAttemptResponse:
@@ -98,25 +121,12 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             paths = [f.name for f, _ in request.ListFields() if f.name not in ("rollout_id", "update_mask")]
         changes: dict[str, Any] = {}
         for path in paths:
-            if path == "input":
-                changes["input"] = (
-                    convert.value_to_python(request.input) if request.HasField("input") else None
-                )
-            elif path == "mode":
-                changes["mode"] = request.mode
-            elif path == "resources_id":
-                changes["resources_id"] = request.resources_id
-            elif path == "group_id":
-                changes["group_id"] = request.group_id
-            elif path == "config":
-                changes["config"] = convert.config_from_pb(request.config)
-            elif path == "metadata":
-                changes["metadata"] = convert.struct_to_dict(request.metadata)
-            else:
+            if path not in Store.UPDATABLE:
                 raise InvalidArgumentError(
-                    "update_mask",
-                    f"unknown path {path!r}; updatable: input, mode, resources_id, group_id, config, metadata",
+                    "update_mask", f"unknown path {path!r}; updatable: {', '.join(Store.UPDATABLE)}"
                 )
+            read = _UPDATE_READERS.get(path)
+            changes[path] = read(request) if read is not None else getattr(request, path)
         rollout = await self.store.update_rollout(request.rollout_id, changes)
         resp = pb.UpdateRolloutResponse()
         convert.rollout_to_pb(rollout, resp.rollout)
@@ -195,12 +205,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def CompleteAttempt(
         self, request: pb.CompleteAttemptRequest, context: Ctx
     ) -> pb.CompleteAttemptResponse:
-        nxt = request.dequeue_next if request.HasField("dequeue_next") else None
-        if nxt is not None:  # refuse a bad dequeue before anything is stored
-            self.store.check_dequeue(
-                nxt.worker_id, nxt.max_rollouts, _wait(nxt, "wait_timeout"), nxt.request_id
-            )
-        attempt, rollout = await self.store.complete_attempt(
+        outcome = (
             request.rollout_id,
             request.attempt_id,
             request.status,
@@ -209,11 +214,21 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             convert.span_records([s.SerializeToString() for s in request.spans]) if request.spans else None,
         )
         resp = pb.CompleteAttemptResponse()
+        if request.HasField("dequeue_next"):
+            nxt = request.dequeue_next
+            attempt, rollout, claimed = await self.store.complete_and_dequeue(
+                *outcome,
+                dequeue_next=DequeueRequest(
+                    nxt.worker_id, nxt.max_rollouts, _wait(nxt, "wait_timeout"), nxt.request_id
+                ),
+                bound_wait=_before_deadline(context),
+            )
+            for r in claimed:
+                convert.rollout_to_pb(r, resp.next_rollouts.add())
+        else:
+            attempt, rollout = await self.store.complete_attempt(*outcome)
         convert.attempt_to_pb(attempt, resp.attempt)
         convert.rollout_to_pb(rollout, resp.rollout)
-        if nxt is not None:
-            for r in await self._dequeue(nxt, context):
-                convert.rollout_to_pb(r, resp.next_rollouts.add())
         return resp
 
     # ------------------------------------------------------------ spans
@@ -437,4 +452,4 @@ def add_store_service(servicer: StoreServicer, server: grpc.aio.Server) -> None:
     )
 
 
-__all__ = ["StoreServicer", "add_store_service"]
+__all__ = ["MAX_DURATION_SECONDS", "StoreServicer", "add_store_service", "check_duration"]

@@ -159,7 +159,7 @@ class TrainerServicer(ServicerState, pb_grpc.TrainerServiceServicer):
         result = await self.core.get_batch(
             request_id=request.request_id,
             mode=_mode(request.mode),
-            min_groups=request.min_groups or 1,
+            min_groups=request.min_groups,
             max_groups=request.max_groups,
             wait=wait,
             options=options,

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from .backend import Backend, MemoryBackend
-from .core import AddSpansResult, HeartbeatResult, SpanSelection, Store, WatchEvent
+from .core import AddSpansResult, DequeueRequest, HeartbeatResult, SpanSelection, Store, WatchEvent
 from .sqlite import SqliteBackend
 from .state import SpanRecord
 
 __all__ = [
     "AddSpansResult",
     "Backend",
+    "DequeueRequest",
     "HeartbeatResult",
     "MemoryBackend",
     "SpanRecord",

@@ -207,9 +207,14 @@ class TrainerCore:
         wait: float = 0.0,
         options: BatchOptions | None = None,
     ) -> BatchResult:
-        """A batch of whole groups: waits up to ``wait`` seconds for ``min_groups``, takes at most ``max_groups``."""
+        """A batch of whole groups: waits up to ``wait`` seconds for ``min_groups``, takes at most ``max_groups``.
+
+        0 means the default, as on the wire: TRAIN for ``mode``, 1 for ``min_groups``, ``min_groups`` for
+        ``max_groups``.
+        """
         options = options or BatchOptions()
         mode = mode or RolloutMode.TRAIN
+        min_groups = min_groups or 1
         max_groups = max_groups or min_groups
         _check_batch_request(request_id, min_groups, max_groups)
         batch_id = request_id or f"b-{uuid.uuid4().hex[:16]}"

@@ -1,0 +1,212 @@
+"""The state every section of the store core shares, the commit plumbing and the lookups."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lightning_grpc.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from lightning_grpc.types import Rollout, RolloutStatus, Worker, copy_rollout
+
+from ..backend import Backend
+from ..state import AttemptState, Change, ResourcesState, RolloutState, Txn, WorkerState
+from .validation import check_timeout
+
+log = logging.getLogger("lightning_grpc.store")
+
+
+@dataclass
+class DequeueRequest:
+    """A dequeue to run once an attempt's outcome is stored (see :meth:`Store.complete_and_dequeue`)."""
+
+    worker_id: str = ""
+    max_rollouts: int = 1
+    wait_timeout: float | None = None
+    request_id: str = ""
+
+
+@dataclass
+class SpanSelection:
+    rollout_id: str
+    attempt_id: str = ""
+    trace_id: str = ""
+    span_id: str = ""
+    parent_span_id: str = ""
+    name: str = ""
+    name_contains: str = ""
+
+
+class _FinishWaiter:
+    __slots__ = ("event", "pending")
+
+    def __init__(self, pending: int) -> None:
+        self.pending = pending
+        self.event = asyncio.Event()
+
+
+class StoreBase:
+    """The state of a store, how changes are committed, and how ids are looked up."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        clock: Callable[[], float] = time.time,
+        max_memory_bytes: int | None = None,
+        max_span_bytes: int = 16 * 1024 * 1024,
+        change_retention: int = 10_000,
+        span_index_capacity: int = 250_000,
+        timeout_rule: Callable[[float, str], None] | None = None,
+    ) -> None:
+        """``timeout_rule(seconds, field)`` refuses a rollout timeout the store cannot take (raising
+        InvalidArgumentError); by default :func:`check_timeout`. A server passes the rule of its wire."""
+        self.backend = backend
+        self.clock = clock
+        self.max_memory_bytes = max_memory_bytes if backend.in_memory else None
+        self.max_span_bytes = max_span_bytes
+        self.change_retention = change_retention
+        self.span_index_capacity = span_index_capacity
+        self.timeout_rule = timeout_rule or check_timeout
+        self.store_id = ""
+        self._started_at = time.monotonic()
+        self._rollouts: dict[str, RolloutState] = {}
+        self._attempts: dict[str, AttemptState] = {}
+        self._queue: dict[str, None] = {}
+        self._queue_seq = itertools.count(1)
+        self._create_seq = itertools.count(1)
+        self._workers: dict[str, WorkerState] = {}
+        self._resources: dict[str, ResourcesState] = {}
+        self._latest_resources_id = ""
+        self._dequeue_requests: dict[str, list[str]] = {}
+        self._total_spans = 0
+        self._memory_bytes = 0
+        self._indexed_spans = 0
+        # change log (contiguous revisions) and who waits on it
+        self._changes: list[Change] = []
+        self._revision = 0
+        self._committed_revision = 0
+        self._changes_committed: asyncio.Future[None] | None = None
+        self._finish_waiters: dict[str, list[_FinishWaiter]] = {}
+        self._span_waiters: dict[str, asyncio.Future[None]] = {}
+        self._dequeue_waiters: list[asyncio.Future[None]] = []
+        # watchdog
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._deadline_tiebreak = itertools.count()
+        self._watchdog_wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_commit: asyncio.Future[None] | None = None
+        self._broken: BaseException | None = None
+        self._meta: dict[str, str] = {}
+        self._closing = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ commit plumbing
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise UnavailableError("the store is shutting down", reason="STORE_CLOSED")
+        if self._broken is not None:
+            raise UnavailableError(f"the store cannot write: {self._broken}", reason="STORAGE_FAILED")
+
+    async def _apply(self, tx: Txn) -> None:
+        """Persist ``tx`` and return once it (and everything submitted before it) is durable."""
+        if tx.is_empty():
+            await self._durable()
+            return
+        if tx.changes:
+            tx.meta.setdefault("revision", str(tx.changes[-1].revision))
+        fut = self.backend.submit(tx)
+        if fut is None:
+            self._after_commit(tx)
+            return
+        self._last_commit = fut
+        fut.add_done_callback(lambda f: self._on_commit_done(f, tx))
+        await asyncio.shield(fut)
+
+    def _on_commit_done(self, fut: asyncio.Future[None], tx: Txn) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._broken = exc
+            log.error("event=store_broken error=%r", exc)
+            return
+        self._after_commit(tx)
+
+    def _after_commit(self, tx: Txn) -> None:
+        if tx.changes:
+            self._committed_revision = max(self._committed_revision, tx.changes[-1].revision)
+            fut, self._changes_committed = self._changes_committed, None
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        for rid in tx.finished:
+            for waiter in self._finish_waiters.get(rid, ()):
+                waiter.pending -= 1
+                if waiter.pending <= 0:
+                    waiter.event.set()
+        for rid in tx.span_rollouts:
+            sfut = self._span_waiters.pop(rid, None)
+            if sfut is not None and not sfut.done():
+                sfut.set_result(None)
+
+    async def _durable(self) -> None:
+        fut = self._last_commit
+        if fut is not None and not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except Exception as exc:
+                raise UnavailableError(f"the store cannot write: {exc}", reason="STORAGE_FAILED") from None
+        if self._broken is not None:
+            raise UnavailableError(f"the store cannot write: {self._broken}", reason="STORAGE_FAILED")
+
+    # ------------------------------------------------------------------ lookups
+    def _rollout(self, rollout_id: str, field: str = "rollout_id") -> RolloutState:
+        if not rollout_id:
+            raise InvalidArgumentError(field, "is required")
+        rs = self._rollouts.get(rollout_id)
+        if rs is None:
+            raise NotFoundError(
+                f"rollout {rollout_id} not found", reason="ROLLOUT_NOT_FOUND", rolloutId=rollout_id
+            )
+        return rs
+
+    def _attempt(self, rollout_id: str, attempt_id: str) -> tuple[RolloutState, AttemptState]:
+        rs = self._rollout(rollout_id)
+        if not attempt_id:
+            raise InvalidArgumentError("attempt_id", "is required")
+        ast = self._attempts.get(attempt_id)
+        if ast is None or ast.attempt.rollout_id != rollout_id:
+            raise NotFoundError(
+                f"attempt {attempt_id} not found in rollout {rollout_id}",
+                reason="ATTEMPT_NOT_FOUND",
+                rolloutId=rollout_id,
+                attemptId=attempt_id,
+            )
+        return rs, ast
+
+    def _resources_state(self, resources_id: str, field: str = "resources_id") -> ResourcesState:
+        if not resources_id:
+            raise InvalidArgumentError(field, "is required")
+        res = self._resources.get(resources_id)
+        if res is None:
+            raise NotFoundError(
+                f"resources {resources_id} not found", reason="RESOURCES_NOT_FOUND", resourcesId=resources_id
+            )
+        return res
+
+    def _worker(self, worker_id: str) -> WorkerState:
+        ws = self._workers.get(worker_id)
+        if ws is None:
+            ws = self._workers[worker_id] = WorkerState(Worker(worker_id=worker_id))
+        return ws
+
+    @staticmethod
+    def _snapshot(rs: RolloutState) -> Rollout:
+        return copy_rollout(rs.rollout)
+
+    def rollout_status(self, rollout_id: str) -> RolloutStatus | None:
+        rs = self._rollouts.get(rollout_id)
+        return rs.rollout.status if rs is not None else None

@@ -1,0 +1,188 @@
+"""Staging spans into a commit: validated as a whole batch, numbered, counted."""
+
+from __future__ import annotations
+
+import re
+
+from lightning_grpc.errors import InvalidArgumentError, ResourceExhaustedError
+from lightning_grpc.types import AddSpansResult
+
+from ..state import AttemptState, RolloutState, SpanRecord, Txn
+from .limits import MAX_BATCH_SPANS, MAX_SEQUENCE_ID, SPAN_OVERHEAD_BYTES
+from .transitions import Transitions
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+#: A span's rollout and attempt, as the store holds them.
+Target = tuple[RolloutState, AttemptState]
+
+
+class SpanStaging(Transitions):
+    """The span-id indexes of attempts, and :meth:`_stage_spans`, used by add_spans and complete_attempt."""
+
+    def _span_index(self, rs: RolloutState, ast: AttemptState) -> dict[str, int]:
+        ids = ast.span_ids
+        if ids is None:
+            ids = ast.span_ids = self.backend.load_span_ids(
+                rs.rollout.rollout_id, ast.attempt.sequence_number
+            )
+            self._indexed_spans += len(ids)
+        return ids
+
+    def _trim_span_indexes(self) -> None:
+        """Drop span-id indexes of ended attempts, least recently used first, above the capacity.
+
+        Runs only right after everything submitted is durable, so a dropped index reloads complete.
+        """
+        if self._indexed_spans <= self.span_index_capacity:
+            return
+        loaded = sorted(
+            (a for a in self._attempts.values() if a.span_ids and not a.attempt.status.is_active),
+            key=lambda a: a.index_used_at,
+        )
+        for ast in loaded:
+            if self._indexed_spans <= self.span_index_capacity * 0.8:
+                break
+            self._indexed_spans -= len(ast.span_ids or ())
+            ast.span_ids = None
+            ast.used_sequence_ids = None
+
+    def _stage_spans(
+        self, records: list[SpanRecord], rollout_id: str, attempt_id: str, tx: Txn
+    ) -> AddSpansResult:
+        """Validate spans (refusing the whole batch on any fault), then add them to ``tx``.
+
+        Nothing changes before every check passed, so a refusal leaves nothing behind.
+        """
+        if len(records) > MAX_BATCH_SPANS:
+            raise InvalidArgumentError(
+                "spans", f"must hold at most {MAX_BATCH_SPANS} spans (got {len(records)})"
+            )
+        now = self.clock()
+        targets, batch_bytes = self._check_spans(records, rollout_id, attempt_id)
+        self._check_client_numbers(records, targets)
+        self._ensure_memory(batch_bytes)
+        _reserve_client_numbers(records, targets)
+        result, stored_bytes = self._number_and_store(records, targets, tx)
+        for rs, ast in {t[1].attempt.attempt_id: t for t in targets}.values():
+            ast.index_used_at = now
+            self._touch(rs, ast, now, tx)
+            tx.attempts[ast.attempt.attempt_id] = ast
+            tx.span_rollouts.add(rs.rollout.rollout_id)
+        self._indexed_spans += result.stored_count
+        self._total_spans += result.stored_count
+        self._memory_bytes += stored_bytes
+        return result
+
+    def _check_spans(
+        self, records: list[SpanRecord], rollout_id: str, attempt_id: str
+    ) -> tuple[list[Target], int]:
+        """Each span's attempt (the request's ids fill in missing ones) and the bytes the batch adds."""
+        targets: list[Target] = []
+        cache_key: tuple[str, str] = ("", "")
+        cache_val: Target | None = None
+        batch_bytes = 0
+        hex16, hex32 = _HEX16.fullmatch, _HEX32.fullmatch
+        for i, rec in enumerate(records):
+            rid = rec.rollout_id = rec.rollout_id or rollout_id
+            aid = rec.attempt_id = rec.attempt_id or attempt_id
+            if (rid, aid) != cache_key or cache_val is None:
+                if not rid:
+                    raise InvalidArgumentError(
+                        f"spans[{i}].rollout_id", "is required (on the span or the request)"
+                    )
+                if not aid:
+                    raise InvalidArgumentError(
+                        f"spans[{i}].attempt_id", "is required (on the span or the request)"
+                    )
+                cache_val = self._attempt(rid, aid)
+                cache_key = (rid, aid)
+            targets.append(cache_val)
+            if not hex16(rec.span_id):
+                raise InvalidArgumentError(f"spans[{i}].span_id", "must be 16 lowercase hex characters")
+            if not hex32(rec.trace_id):
+                raise InvalidArgumentError(f"spans[{i}].trace_id", "must be 32 lowercase hex characters")
+            if rec.parent_span_id and not hex16(rec.parent_span_id):
+                raise InvalidArgumentError(
+                    f"spans[{i}].parent_span_id", "must be empty or 16 lowercase hex characters"
+                )
+            if rec.sequence_id < 0 or rec.sequence_id > MAX_SEQUENCE_ID:
+                raise InvalidArgumentError(
+                    f"spans[{i}].sequence_id", f"must be between 0 and {MAX_SEQUENCE_ID}"
+                )
+            size = len(rec.body)
+            if size > self.max_span_bytes:
+                raise ResourceExhaustedError(
+                    f"spans[{i}] is {size} bytes; the limit is {self.max_span_bytes}",
+                    reason="SPAN_TOO_LARGE",
+                    field=f"spans[{i}]",
+                )
+            batch_bytes += size + SPAN_OVERHEAD_BYTES
+        return targets, batch_bytes
+
+    def _check_client_numbers(self, records: list[SpanRecord], targets: list[Target]) -> None:
+        """New client-numbered spans use numbers unused in their attempt (a resent span keeps its own)."""
+        claimed: dict[str, set[int]] = {}
+        batch_ids: dict[str, set[str]] = {}
+        for i, rec in enumerate(records):
+            if rec.sequence_id:
+                rs, ast = targets[i]
+                ids = self._span_index(rs, ast)
+                if rec.span_id in ids or rec.span_id in batch_ids.get(rec.attempt_id, ()):
+                    continue
+                if ast.used_sequence_ids is None:
+                    ast.used_sequence_ids = set(ids.values())
+                mine = claimed.setdefault(rec.attempt_id, set())
+                if rec.sequence_id in ast.used_sequence_ids or rec.sequence_id in mine:
+                    raise InvalidArgumentError(
+                        f"spans[{i}].sequence_id",
+                        f"{rec.sequence_id} is already used in attempt {rec.attempt_id}",
+                    )
+                mine.add(rec.sequence_id)
+                batch_ids.setdefault(rec.attempt_id, set()).add(rec.span_id)
+
+    def _number_and_store(
+        self, records: list[SpanRecord], targets: list[Target], tx: Txn
+    ) -> tuple[AddSpansResult, int]:
+        """Give each new span its sequence id and put it into ``tx``; a span id already stored is a
+        duplicate answered with its number. Returns the result and the bytes stored."""
+        sequence_ids = [0] * len(records)
+        stored = duplicates = 0
+        stored_bytes = 0
+        for i, rec in enumerate(records):
+            rs, ast = targets[i]
+            ids = ast.span_ids if ast.span_ids is not None else self._span_index(rs, ast)
+            seq = ids.get(rec.span_id)
+            if seq is not None:
+                sequence_ids[i] = seq
+                duplicates += 1
+                continue
+            if rec.sequence_id:  # its number was reserved by _reserve_client_numbers
+                seq = rec.sequence_id
+            else:
+                seq = ast.next_sequence_id
+                ast.next_sequence_id = seq + 1
+            if ast.used_sequence_ids is not None:
+                ast.used_sequence_ids.add(seq)
+            ids[rec.span_id] = seq
+            rec.sequence_id = seq
+            rec.attempt_no = ast.attempt.sequence_number
+            sequence_ids[i] = seq
+            tx.spans.append(rec)
+            ast.span_count += 1
+            stored += 1
+            size = len(rec.body) + SPAN_OVERHEAD_BYTES
+            rs.bytes += size
+            stored_bytes += size
+        result = AddSpansResult(sequence_ids=sequence_ids, stored_count=stored, duplicate_count=duplicates)
+        return result, stored_bytes
+
+
+def _reserve_client_numbers(records: list[SpanRecord], targets: list[Target]) -> None:
+    """Client-numbered spans claim their numbers first, so that automatic numbers go above them."""
+    for i, rec in enumerate(records):
+        if rec.sequence_id:
+            ast = targets[i][1]
+            if rec.sequence_id >= ast.next_sequence_id:
+                ast.next_sequence_id = rec.sequence_id + 1
