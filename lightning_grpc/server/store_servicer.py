@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from lightning_grpc import convert
-from lightning_grpc.errors import InvalidArgumentError, LightningError
+from lightning_grpc.errors import InvalidArgumentError, LightningError, UnavailableError
 from lightning_grpc.store import DequeueRequest, SpanSelection, Store
 from lightning_grpc.v1 import common_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
@@ -256,9 +256,9 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
                 result = await self.store.add_spans(
                     convert.span_records(batch.spans), batch.rollout_id, batch.attempt_id
                 )
-            except LightningError as exc:
-                if exc.code_name == "UNAVAILABLE":
-                    raise  # the stream ends; the client reconnects and resends unacknowledged batches
+            except UnavailableError:
+                raise  # the server cannot take spans now: the stream ends, the client reconnects and resends
+            except LightningError as exc:  # about this batch: the client's shipper decides (exc.transient)
                 code = grpc.StatusCode[exc.code_name].value[0]
                 yield pb.AddSpansStreamResponse(
                     batch_id=batch.batch_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError
+from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, Reason
 from lightning_grpc.types import Attempt, AttemptHeartbeat, AttemptStatus, Page, Rollout, RolloutStatus
 
 from .. import paging
@@ -87,7 +87,7 @@ class AttemptsSection(SpanStaging):
             raise FailedPreconditionError(
                 f"attempt {attempt_id} of rollout {rollout_id} already ended as {a.status}; "
                 f"its report of {outcome} is refused",
-                reason="ATTEMPT_ALREADY_ENDED",
+                reason=Reason.ATTEMPT_ALREADY_ENDED,
                 rolloutId=rollout_id,
                 attemptId=attempt_id,
                 status=str(a.status),

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_grpc.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason, UnavailableError
 from lightning_grpc.types import Rollout, RolloutStatus, Worker, copy_rollout
 
 from ..backend import Backend
@@ -107,9 +107,9 @@ class StoreBase:
     # ------------------------------------------------------------------ commit plumbing
     def _check_writable(self) -> None:
         if self._closed:
-            raise UnavailableError("the store is shutting down", reason="STORE_CLOSED")
+            raise UnavailableError("the store is shutting down", reason=Reason.STORE_CLOSED)
         if self._broken is not None:
-            raise UnavailableError(f"the store cannot write: {self._broken}", reason="STORAGE_FAILED")
+            raise UnavailableError(f"the store cannot write: {self._broken}", reason=Reason.STORAGE_FAILED)
 
     async def _apply(self, tx: Txn) -> None:
         """Persist ``tx`` and return once it (and everything submitted before it) is durable."""
@@ -158,9 +158,11 @@ class StoreBase:
             try:
                 await asyncio.shield(fut)
             except Exception as exc:
-                raise UnavailableError(f"the store cannot write: {exc}", reason="STORAGE_FAILED") from None
+                raise UnavailableError(
+                    f"the store cannot write: {exc}", reason=Reason.STORAGE_FAILED
+                ) from None
         if self._broken is not None:
-            raise UnavailableError(f"the store cannot write: {self._broken}", reason="STORAGE_FAILED")
+            raise UnavailableError(f"the store cannot write: {self._broken}", reason=Reason.STORAGE_FAILED)
 
     # ------------------------------------------------------------------ lookups
     def _rollout(self, rollout_id: str, field: str = "rollout_id") -> RolloutState:
@@ -169,7 +171,7 @@ class StoreBase:
         rs = self._rollouts.get(rollout_id)
         if rs is None:
             raise NotFoundError(
-                f"rollout {rollout_id} not found", reason="ROLLOUT_NOT_FOUND", rolloutId=rollout_id
+                f"rollout {rollout_id} not found", reason=Reason.ROLLOUT_NOT_FOUND, rolloutId=rollout_id
             )
         return rs
 
@@ -181,7 +183,7 @@ class StoreBase:
         if ast is None or ast.attempt.rollout_id != rollout_id:
             raise NotFoundError(
                 f"attempt {attempt_id} not found in rollout {rollout_id}",
-                reason="ATTEMPT_NOT_FOUND",
+                reason=Reason.ATTEMPT_NOT_FOUND,
                 rolloutId=rollout_id,
                 attemptId=attempt_id,
             )
@@ -193,7 +195,9 @@ class StoreBase:
         res = self._resources.get(resources_id)
         if res is None:
             raise NotFoundError(
-                f"resources {resources_id} not found", reason="RESOURCES_NOT_FOUND", resourcesId=resources_id
+                f"resources {resources_id} not found",
+                reason=Reason.RESOURCES_NOT_FOUND,
+                resourcesId=resources_id,
             )
         return res
 

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError
+from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, Reason
 from lightning_grpc.types import DeleteResult, Statistics
 
 from ..state import Txn
@@ -50,7 +50,7 @@ class HousekeepingSection(SpanStaging):
             if not rs.rollout.status.is_terminal:
                 raise FailedPreconditionError(
                     f"rollout {rid} is {rs.rollout.status}; only finished rollouts can be deleted",
-                    reason="ROLLOUT_NOT_FINISHED",
+                    reason=Reason.ROLLOUT_NOT_FINISHED,
                     rolloutId=rid,
                 )
         if finished_before is not None:

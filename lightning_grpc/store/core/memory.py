@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from lightning_grpc.errors import ResourceExhaustedError
+from lightning_grpc.errors import Reason, ResourceExhaustedError
 from lightning_grpc.types import DeleteResult
 
 from ..state import RolloutState, Txn
@@ -47,7 +47,7 @@ class MemoryBound(StoreBase):
             raise ResourceExhaustedError(
                 f"the in-memory store holds {self._memory_bytes} bytes of unfinished rollouts; "
                 f"the limit is {limit}. Finish or delete rollouts, or raise --max-memory",
-                reason="STORE_MEMORY_FULL",
+                reason=Reason.STORE_MEMORY_FULL,
             )
 
     def _delete(self, ids: list[str], tx: Txn) -> DeleteResult:

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import replace
 from typing import Any
 
-from lightning_grpc.errors import AbortedError, AlreadyExistsError, InvalidArgumentError
+from lightning_grpc.errors import AbortedError, AlreadyExistsError, InvalidArgumentError, Reason
 from lightning_grpc.types import Page, Resource, ResourcesUpdate
 
 from .. import paging, rows
@@ -30,7 +30,7 @@ class ResourcesSection(SpanStaging):
             if existing.fingerprint != fingerprint or existing.resources.version != 1:
                 raise AlreadyExistsError(
                     f"resources {resources_id} already exist with other contents",
-                    reason="RESOURCES_ALREADY_EXIST",
+                    reason=Reason.RESOURCES_ALREADY_EXIST,
                     resourcesId=resources_id,
                 )
             await self._durable()
@@ -62,7 +62,7 @@ class ResourcesSection(SpanStaging):
         if expected_version and expected_version != current.version:
             raise AbortedError(
                 f"resources {resources_id} are at version {current.version}, not {expected_version}",
-                reason="RESOURCES_VERSION_MISMATCH",
+                reason=Reason.RESOURCES_VERSION_MISMATCH,
                 resourcesId=resources_id,
                 version=str(current.version),
             )

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from lightning_grpc.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
+from lightning_grpc.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError, Reason
 from lightning_grpc.types import (
     AttemptStatus,
     Page,
@@ -89,7 +89,7 @@ class RolloutsSection(SpanStaging):
         if rs.fingerprint != fingerprint:
             raise AlreadyExistsError(
                 f"rollout {spec.rollout_id} already exists with other contents ({field})",
-                reason="ROLLOUT_ALREADY_EXISTS",
+                reason=Reason.ROLLOUT_ALREADY_EXISTS,
                 rolloutId=spec.rollout_id,
             )
         return rs
@@ -231,7 +231,7 @@ class RolloutsSection(SpanStaging):
         if r.status.is_terminal:
             raise FailedPreconditionError(
                 f"rollout {rollout_id} already finished as {r.status}; a finished rollout stays finished",
-                reason="ROLLOUT_FINISHED",
+                reason=Reason.ROLLOUT_FINISHED,
                 rolloutId=rollout_id,
                 status=str(r.status),
             )
@@ -239,7 +239,7 @@ class RolloutsSection(SpanStaging):
         if latest is not None and latest.attempt.status.is_active:
             raise FailedPreconditionError(
                 f"rollout {rollout_id} has an active attempt {latest.attempt.attempt_id}; it must end first",
-                reason="ATTEMPT_STILL_ACTIVE",
+                reason=Reason.ATTEMPT_STILL_ACTIVE,
                 rolloutId=rollout_id,
                 attemptId=latest.attempt.attempt_id,
             )
@@ -296,7 +296,7 @@ class RolloutsSection(SpanStaging):
         if r.status.is_terminal:
             raise FailedPreconditionError(
                 f"rollout {rollout_id} already finished as {r.status}; it cannot be cancelled",
-                reason="ROLLOUT_FINISHED",
+                reason=Reason.ROLLOUT_FINISHED,
                 rolloutId=rollout_id,
                 status=str(r.status),
             )

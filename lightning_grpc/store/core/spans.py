@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
-from lightning_grpc.errors import InvalidArgumentError, ResourceExhaustedError
+from lightning_grpc.errors import InvalidArgumentError, Reason, ResourceExhaustedError
 from lightning_grpc.types import AddSpansResult, Page
 
 from .. import paging
@@ -39,7 +39,7 @@ class SpansSection(SpanStaging):
         first = ast.next_sequence_id
         if first + max(1, count) > MAX_SEQUENCE_ID:
             raise ResourceExhaustedError(
-                f"attempt {attempt_id} has used up its sequence ids", reason="SEQUENCE_IDS_EXHAUSTED"
+                f"attempt {attempt_id} has used up its sequence ids", reason=Reason.SEQUENCE_IDS_EXHAUSTED
             )
         ast.next_sequence_id += max(1, count)
         tx = Txn()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from lightning_grpc.errors import InvalidArgumentError, ResourceExhaustedError
+from lightning_grpc.errors import InvalidArgumentError, Reason, ResourceExhaustedError
 from lightning_grpc.types import AddSpansResult
 
 from ..state import AttemptState, RolloutState, SpanRecord, Txn
@@ -115,7 +115,7 @@ class SpanStaging(Transitions):
             if size > self.max_span_bytes:
                 raise ResourceExhaustedError(
                     f"spans[{i}] is {size} bytes; the limit is {self.max_span_bytes}",
-                    reason="SPAN_TOO_LARGE",
+                    reason=Reason.SPAN_TOO_LARGE,
                     field=f"spans[{i}]",
                 )
             batch_bytes += size + SPAN_OVERHEAD_BYTES

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 
-from lightning_grpc.errors import InvalidArgumentError, OutOfRangeError
+from lightning_grpc.errors import InvalidArgumentError, OutOfRangeError, Reason
 from lightning_grpc.types import Rollout, WatchEvent, copy_rollout
 
 from .base import _FinishWaiter
@@ -64,7 +64,7 @@ class WaitingSection(SpanStaging):
         if store_id != self.store_id:
             raise OutOfRangeError(
                 "resume_token belongs to another store (or to an in-memory store that restarted)",
-                reason="RESUME_TOKEN_EXPIRED",
+                reason=Reason.RESUME_TOKEN_EXPIRED,
             )
         revision = int(rev)
         first = self._first_retained()
@@ -72,7 +72,7 @@ class WaitingSection(SpanStaging):
             raise OutOfRangeError(
                 f"resume_token revision {revision} is outside the retained history "
                 f"({first - 1}..{self._committed_revision}); list the rollouts again and watch from now",
-                reason="RESUME_TOKEN_EXPIRED",
+                reason=Reason.RESUME_TOKEN_EXPIRED,
                 revision=str(revision),
             )
         return revision
@@ -87,7 +87,7 @@ class WaitingSection(SpanStaging):
         if cursor < first - 1:
             raise OutOfRangeError(
                 "this watcher fell behind the retained history; resume from a fresh list",
-                reason="RESUME_TOKEN_EXPIRED",
+                reason=Reason.RESUME_TOKEN_EXPIRED,
                 revision=str(cursor),
             )
         return first

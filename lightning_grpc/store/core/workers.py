@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from lightning_grpc.errors import InvalidArgumentError, NotFoundError
+from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason
 from lightning_grpc.types import Page, Worker, WorkerStatus
 
 from .. import paging
@@ -38,7 +38,7 @@ class WorkersSection(SpanStaging):
         ws = self._workers.get(worker_id)
         if ws is None:
             raise NotFoundError(
-                f"worker {worker_id} not found", reason="WORKER_NOT_FOUND", workerId=worker_id
+                f"worker {worker_id} not found", reason=Reason.WORKER_NOT_FOUND, workerId=worker_id
             )
         await self._durable()
         return replace(ws.worker)
