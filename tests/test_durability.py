@@ -569,11 +569,12 @@ async def test_sigterm_drains_in_flight_calls(tmp_path: Path, server_process: ty
         exit_code = await asyncio.to_thread(server.proc.wait, grace + 10)
         stopped_after = time.monotonic() - sent_at
 
-    for code, claimed, at in polled:
-        assert code == "OK", f"a long-polling dequeue ended with {code} instead of an (empty) answer"
-        assert at - sent_at < grace, f"a long-poll answered {at - sent_at:.1f} s after SIGTERM"
+    for code, claimed, at in polled:  # ended at once, with the status that says: reconnect
+        assert code == "UNAVAILABLE", f"a long-polling dequeue ended with {code} instead of UNAVAILABLE"
+        assert at - sent_at < 1.0, f"a long-poll answered {at - sent_at:.1f} s after SIGTERM"
         assert claimed == 0
-    assert outcomes["stream"] == "OK", f"the span stream ended with {outcomes['stream']}"
+    # the span stream ends between two batches: every batch it saw acknowledged is kept (verified below)
+    assert outcomes["stream"] in ("OK", "UNAVAILABLE"), f"the span stream ended with {outcomes['stream']}"
     # A write in flight at SIGTERM finishes within the grace period; only new calls are refused,
     # with UNAVAILABLE, which clients retry. CANCELLED would leave them not knowing what happened.
     cancelled = sorted(name for name, code in outcomes.items() if code not in ("OK", "UNAVAILABLE"))
@@ -640,3 +641,69 @@ def test_two_servers_cannot_share_a_port(
     again = server_process(*serve_args(first_db)).start()
     assert listed(again.address) == {"before-1", "before-2", "after-1"}
     assert again.terminate() == 0
+
+
+async def test_sigterm_ends_open_streams_and_waits_at_once_with_a_status_that_says_reconnect(
+    tmp_path: Path, server_process: type[ServerProcess]
+) -> None:
+    """Connected runners keep a span stream open and long-poll; a drain must not wait out its grace for them."""
+    from lightning_grpc.v1 import trainer_service_pb2 as tpb
+    from lightning_grpc.v1 import trainer_service_pb2_grpc as tpb_grpc
+
+    grace = 20.0
+    server = await start(server_process, *serve_args(tmp_path / "store.db", grace=grace))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.StoreServiceStub(channel)
+        trainer = tpb_grpc.TrainerServiceStub(channel)
+        started = await stub.StartRollout(pb.StartRolloutRequest(rollout=pb.RolloutSpec(), worker_id="w"))
+        rid, aid = started.rollout.rollout_id, started.rollout.latest_attempt.attempt_id
+        stream = stub.AddSpansStream()  # a runner's span stream: open, idle between batches
+        span = span_pb2.Span(span_id="0" * 15 + "1", trace_id="0" * 31 + "1", name="step")
+        await stream.write(pb.AddSpansStreamRequest(batch_id=1, rollout_id=rid, attempt_id=aid, spans=[span]))
+        assert (await stream.read()).stored_count == 1
+        tail = stub.TailSpans(pb.TailSpansRequest(selector=pb.SpanSelector(rollout_id=rid), follow=True))
+        watch = stub.WatchRollouts(pb.WatchRolloutsRequest())
+        training = trainer.WatchTraining(tpb.WatchTrainingRequest(follow=True))
+        poll = pb.DequeueRolloutsRequest(worker_id="idle-runner")
+        poll.wait_timeout.FromSeconds(60)
+        batch = tpb.GetBatchRequest(min_groups=1)
+        batch.wait.FromSeconds(60)
+        dequeue = stub.DequeueRollouts(poll, timeout=90)
+        batches = trainer.GetBatch(batch, timeout=90)  # streams its chunks
+
+        async def ending(call: Any) -> tuple[str, str]:
+            try:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name, exc.details() or ""
+            return "OK", ""
+
+        async def answer(call: Any) -> tuple[str, str]:
+            try:
+                await call
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name, exc.details() or ""
+            return "OK", ""
+
+        await asyncio.sleep(0.5)  # every call is in the server
+        assert server.proc is not None
+        sent_at = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        endings = await asyncio.wait_for(
+            asyncio.gather(
+                ending(stream),
+                ending(tail),
+                ending(watch),
+                ending(training),
+                ending(batches),
+                answer(dequeue),
+            ),
+            10,
+        )
+        exit_code = await asyncio.to_thread(server.proc.wait, 10)
+        stopped_after = time.monotonic() - sent_at
+    assert exit_code == 0
+    assert stopped_after < 5, f"the drain took {stopped_after:.1f} s with streams open (grace {grace} s)"
+    for code, details in endings:
+        assert code == "UNAVAILABLE" and "shutting down" in details, endings

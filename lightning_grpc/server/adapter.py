@@ -96,12 +96,52 @@ class ServicerState:
     in_flight: int = 0
     shutting_down: bool = False
 
+    def drain(self) -> None:
+        """Refuse new calls, and end every client stream that is waiting for its next message."""
+        self.shutting_down = True
+        for task in self._waiting_streams():
+            task.cancel()
+
+    def _waiting_streams(self) -> set[asyncio.Task[Any]]:
+        return self.__dict__.setdefault("_waiting", set())  # type: ignore[no-any-return]
+
+    async def until_drained(self, requests: AsyncIterator[Req]) -> AsyncIterator[Req]:
+        """The messages of a client stream, ended with UNAVAILABLE (SHUTTING_DOWN) when the server drains.
+
+        A stream the client keeps open (a runner's span stream) would otherwise hold the drain for its
+        whole grace period; ended between two messages, nothing acknowledged is lost and the client
+        reconnects and resends what it has not seen acknowledged.
+        """
+        task = asyncio.current_task()
+        assert task is not None
+        waiting = self._waiting_streams()
+        while True:
+            if self.shutting_down:
+                raise _shutting_down()
+            waiting.add(task)
+            try:
+                message = await anext(requests)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not self.shutting_down:
+                    raise
+                task.uncancel()
+                raise _shutting_down() from None
+            finally:
+                waiting.discard(task)
+            yield message
+
+
+def _shutting_down() -> UnavailableError:
+    return UnavailableError(
+        "the server is shutting down; retry on another server or later", reason=Reason.SHUTTING_DOWN
+    )
+
 
 def _refuse_if_draining(servicer: Any) -> None:
     if getattr(servicer, "shutting_down", False):
-        raise UnavailableError(
-            "the server is shutting down; retry on another server or later", reason=Reason.SHUTTING_DOWN
-        )
+        raise _shutting_down()
 
 
 def unary(

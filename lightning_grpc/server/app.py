@@ -86,7 +86,7 @@ class RunningServer:
         log.info("event=server_draining address=%s grace=%.1f", self.address, self.config.grace)
         await self.health.enter_graceful_shutdown()
         for servicer in self.servicers:
-            servicer.shutting_down = True
+            servicer.drain()
         self.store.begin_shutdown()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.grace
@@ -142,9 +142,8 @@ def _check_free(host: str, port: int, address: str) -> None:
         raise OSError(f"cannot listen on {address}: {exc.strerror}") from None
     for family, kind, proto, _name, sockaddr in infos:
         with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(
-                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-            )  # as gRPC does: TIME_WAIT is no conflict
+            # as gRPC does, so that a closed server's connections in TIME_WAIT are no conflict
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(sockaddr)
             except OSError as exc:

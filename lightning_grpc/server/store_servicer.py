@@ -249,7 +249,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
         self, request_iterator: AsyncIterator[Any], context: Ctx
     ) -> AsyncIterator[pb.AddSpansStreamResponse]:
         """Each request is a wire.AddSpansStreamRequestRaw: the spans stay serialized."""
-        async for batch in request_iterator:
+        async for batch in self.until_drained(request_iterator):
             if isinstance(batch, Undecodable):
                 raise batch.error()
             try:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_grpc.adapter import Aggregated, RolloutTriplets, rows_from_triplets
-from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason
+from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason, UnavailableError
 from lightning_grpc.store import Store
 from lightning_grpc.types import Rollout, RolloutConfig, RolloutMode, RolloutSpec, RolloutStatus
 
@@ -152,6 +152,9 @@ class TrainerCore:
                     self.prepared.rows(r, self.adapter_config, triplets, self.aggregation)
                 except Exception as exc:  # preparing is an optimisation: the batch computes it again
                     log.warning("event=trainer_prepare_failed rollout_id=%s error=%r", r.rollout_id, exc)
+        except UnavailableError as exc:
+            if exc.reason != Reason.SHUTTING_DOWN:
+                log.warning("event=trainer_prepare_stopped error=%r", exc)
         except Exception as exc:
             log.warning("event=trainer_prepare_stopped error=%r", exc)
 
@@ -225,8 +228,9 @@ class TrainerCore:
         while True:
             await self.store.durable()
             ready = self._ended_groups(mode)
-            if len(ready) >= min_groups or self.clock() >= deadline or self.store.closing:
+            if len(ready) >= min_groups or self.clock() >= deadline:
                 break
+            self.store.check_not_draining()
             await self.store.wait_for_commit(max(0.0, deadline - self.clock()))
         chosen = ready[:max_groups]
         for group in chosen:  # taken at once, so a concurrent request cannot take them too
@@ -342,8 +346,9 @@ class TrainerCore:
                 cursor = event.sequence
                 if not run_id or event.run_id == run_id:
                     yield event
-            if not follow or self.store.closing:
+            if not follow:
                 return
+            self.store.check_not_draining()
             added = self._event_added
             if added is None:
                 return

@@ -104,6 +104,14 @@ class StoreBase:
         self._closing = False
         self._closed = False
 
+    def check_not_draining(self) -> None:
+        """A wait or a follow that the shutdown interrupts ends with UNAVAILABLE, so its caller reconnects."""
+        if self._closing:
+            raise UnavailableError(
+                "the server is shutting down; reconnect and call again (a watch resumes from its last token)",
+                reason=Reason.SHUTTING_DOWN,
+            )
+
     # ------------------------------------------------------------------ commit plumbing
     def _check_writable(self) -> None:
         if self._closed:

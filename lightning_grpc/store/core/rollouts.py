@@ -192,12 +192,14 @@ class RolloutsSection(SpanStaging):
         return [self._snapshot(rs) for rs in claimed]
 
     async def _wait_for_queue(self, wait: float) -> None:
-        """Return once the queue holds a rollout, the store is closing, or ``wait`` seconds passed."""
+        """Return once the queue holds a rollout or ``wait`` seconds passed (UNAVAILABLE on shutdown)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while True:
             self._check_writable()
-            if self._queue or self._closing:
+            if wait > 0:
+                self.check_not_draining()
+            if self._queue:
                 return
             remaining = deadline - loop.time()
             if remaining <= 0:

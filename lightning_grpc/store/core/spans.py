@@ -118,8 +118,9 @@ class SpansSection(SpanStaging):
                     yield found
                     if len(found) == batch_size:
                         continue
-            if not follow or self._closing or ended:
+            if not follow or ended:
                 return
+            self.check_not_draining()
             fut = self._span_waiters.get(sel.rollout_id)
             if fut is None or fut.done():
                 fut = self._span_waiters[sel.rollout_id] = asyncio.get_running_loop().create_future()

@@ -46,6 +46,11 @@ class WaitingSection(SpanStaging):
                         lst.remove(waiter)
                         if not lst:
                             del self._finish_waiters[rid]
+            unfinished = [
+                r for r in pending if r in self._rollouts and not self._rollouts[r].rollout.status.is_terminal
+            ]
+            if unfinished:
+                self.check_not_draining()  # woken by the shutdown, not by the rollouts
             await self._durable()
         out = []
         for rid in ids:
@@ -118,8 +123,7 @@ class WaitingSection(SpanStaging):
                 if (not ids or r.rollout_id in ids) and (not status_set or r.status in status_set):
                     sent = True
                     yield WatchEvent(copy_rollout(r), self._token(cursor), cursor)
-            if self._closing:
-                return
+            self.check_not_draining()
             if self._changes_committed is None or self._changes_committed.done():
                 self._changes_committed = loop.create_future()
             try:
