@@ -660,3 +660,8 @@ async def test_completion_can_store_the_last_spans_and_claim_the_next_rollout(cl
         req.dequeue_next.max_rollouts = -1
         await client._call("CompleteAttempt", req)
     assert (await client.get_rollout(third.rollout_id)).status == RolloutStatus.PREPARING
+
+
+async def test_enqueueing_an_empty_list_is_a_no_op(client: StoreClient) -> None:
+    assert await client.enqueue_rollouts([]) == []
+    assert (await client.list_rollouts()).total_size == 0

@@ -126,7 +126,9 @@ class EnqueueRolloutsRequest(_message.Message):
 
     ROLLOUTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutSpec]: ...
+    def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutSpec]:
+        """At most 10,000. An empty list queues nothing and answers an empty list."""
+
     def __init__(
         self,
         *,

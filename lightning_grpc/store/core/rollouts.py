@@ -115,7 +115,7 @@ class RolloutsSection(SpanStaging):
         """Queue rollouts in order. A known rollout id returns the stored rollout (same contents) or fails."""
         self._check_writable()
         if not specs:
-            raise InvalidArgumentError("rollouts", "must hold at least one rollout")
+            return []  # nothing to queue: a no-op, as an empty batch from a generator naturally is
         if len(specs) > MAX_BATCH_ROLLOUTS:
             raise InvalidArgumentError("rollouts", f"must hold at most {MAX_BATCH_ROLLOUTS} rollouts")
         prepared = [self._prepare_spec(spec, f"rollouts[{i}]") for i, spec in enumerate(specs)]
