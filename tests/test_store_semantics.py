@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from lightning_grpc.client import StoreClient
@@ -665,3 +666,44 @@ async def test_completion_can_store_the_last_spans_and_claim_the_next_rollout(cl
 async def test_enqueueing_an_empty_list_is_a_no_op(client: StoreClient) -> None:
     assert await client.enqueue_rollouts([]) == []
     assert (await client.list_rollouts()).total_size == 0
+
+
+async def test_rollout_filters_combine_with_or_when_asked(client: StoreClient) -> None:
+    from lightning_grpc.v1 import rollout_pb2
+    from lightning_grpc.v1 import store_service_pb2 as pb
+
+    train_a = await client.enqueue_rollout({"i": 0}, mode="train", group_id="g1")
+    val_b = await client.enqueue_rollout({"i": 1}, mode="val", group_id="g2")
+    await client.enqueue_rollout({"i": 2}, mode="val", group_id="g1")
+    filters = {"mode": rollout_pb2.ROLLOUT_MODE_TRAIN, "group_id": "g2", "order_by": "create_time"}
+    both = await client.stub.ListRollouts(pb.ListRolloutsRequest(**filters, match=pb.FILTER_MATCH_ANY))
+    assert [r.rollout_id for r in both.rollouts] == [train_a.rollout_id, val_b.rollout_id]
+    assert both.total_size == 2
+    neither = await client.stub.ListRollouts(pb.ListRolloutsRequest(**filters))  # ALL, the default
+    assert neither.total_size == 0 and not neither.rollouts
+    ids_or_mode = pb.ListRolloutsRequest(
+        rollout_ids=[val_b.rollout_id], mode=rollout_pb2.ROLLOUT_MODE_TRAIN, match=2
+    )
+    assert (await client.stub.ListRollouts(ids_or_mode)).total_size == 2
+
+
+async def test_workers_list_in_the_order_asked_and_page_in_it(client: StoreClient) -> None:
+    from lightning_grpc.v1 import common_pb2
+    from lightning_grpc.v1 import store_service_pb2 as pb
+
+    for name in ("w-b", "w-a", "w-c"):  # heartbeats in this order: w-c is the latest
+        await client.update_worker(name, {})
+        await asyncio.sleep(0.01)
+    by_id = await client.stub.ListWorkers(pb.ListWorkersRequest())
+    assert [w.worker_id for w in by_id.workers] == ["w-a", "w-b", "w-c"]
+    latest_first = pb.ListWorkersRequest(
+        order_by="last_heartbeat_time", order=common_pb2.SORT_ORDER_DESCENDING, page_size=2
+    )
+    first = await client.stub.ListWorkers(latest_first)
+    latest_first.page_token = first.next_page_token
+    rest = await client.stub.ListWorkers(latest_first)
+    assert [w.worker_id for w in [*first.workers, *rest.workers]] == ["w-c", "w-a", "w-b"]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await client.stub.ListWorkers(pb.ListWorkersRequest(order_by="age"))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "order_by" in (refused.value.details() or "")

@@ -158,6 +158,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             descending=_descending(request.order),
             page_size=request.page_size,
             page_token=request.page_token,
+            match_any=request.match == pb.FILTER_MATCH_ANY,
         )
         resp = pb.ListRolloutsResponse(next_page_token=page.next_page_token, total_size=page.total_size)
         for r in page.items:
@@ -370,6 +371,8 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             worker_id_contains=request.worker_id_contains,
             page_size=request.page_size,
             page_token=request.page_token,
+            order_by=request.order_by,
+            descending=_descending(request.order),
         )
         resp = pb.ListWorkersResponse(next_page_token=page.next_page_token, total_size=page.total_size)
         for w in page.items:

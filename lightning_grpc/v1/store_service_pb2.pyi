@@ -11,6 +11,7 @@ from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from lightning_grpc.v1 import common_pb2 as _common_pb2
 from lightning_grpc.v1 import resource_pb2 as _resource_pb2
 from lightning_grpc.v1 import rollout_pb2 as _rollout_pb2
@@ -26,6 +27,30 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _FilterMatch:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FilterMatchEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FilterMatch.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FILTER_MATCH_UNSPECIFIED: _FilterMatch.ValueType  # 0
+    """Same as FILTER_MATCH_ALL."""
+    FILTER_MATCH_ALL: _FilterMatch.ValueType  # 1
+    """A rollout matches when every filter given holds (AND)."""
+    FILTER_MATCH_ANY: _FilterMatch.ValueType  # 2
+    """A rollout matches when at least one filter given holds (OR)."""
+
+class FilterMatch(_FilterMatch, metaclass=_FilterMatchEnumTypeWrapper):
+    """How the filters of a List request combine."""
+
+FILTER_MATCH_UNSPECIFIED: FilterMatch.ValueType  # 0
+"""Same as FILTER_MATCH_ALL."""
+FILTER_MATCH_ALL: FilterMatch.ValueType  # 1
+"""A rollout matches when every filter given holds (AND)."""
+FILTER_MATCH_ANY: FilterMatch.ValueType  # 2
+"""A rollout matches when at least one filter given holds (OR)."""
+Global___FilterMatch: _TypeAlias = FilterMatch  # noqa: Y015
 
 @_typing.final
 class RolloutSpec(_message.Message):
@@ -447,6 +472,7 @@ class ListRolloutsRequest(_message.Message):
     ORDER_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    MATCH_FIELD_NUMBER: _builtins.int
     rollout_id_contains: _builtins.str
     mode: _rollout_pb2.RolloutMode.ValueType
     group_id: _builtins.str
@@ -456,6 +482,10 @@ class ListRolloutsRequest(_message.Message):
     page_size: _builtins.int
     """0 means 100; at most 1000."""
     page_token: _builtins.str
+    match: Global___FilterMatch.ValueType
+    """How the filters above combine: every one given must hold (the default), or any one of them.
+    Within a repeated filter (statuses, rollout_ids) any value matches either way.
+    """
     @_builtins.property
     def statuses(self) -> _containers.RepeatedScalarFieldContainer[_rollout_pb2.RolloutStatus.ValueType]: ...
     @_builtins.property
@@ -472,10 +502,11 @@ class ListRolloutsRequest(_message.Message):
         order: _common_pb2.SortOrder.ValueType = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        match: Global___FilterMatch.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "mode", b"mode", "order", b"order", "order_by", b"order_by", "page_size", b"page_size", "page_token", b"page_token", "rollout_id_contains", b"rollout_id_contains", "rollout_ids", b"rollout_ids", "statuses", b"statuses"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "match", b"match", "mode", b"mode", "order", b"order", "order_by", b"order_by", "page_size", b"page_size", "page_token", b"page_token", "rollout_id_contains", b"rollout_id_contains", "rollout_ids", b"rollout_ids", "statuses", b"statuses"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1495,9 +1526,16 @@ class ListWorkersRequest(_message.Message):
     WORKER_ID_CONTAINS_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    ORDER_BY_FIELD_NUMBER: _builtins.int
+    ORDER_FIELD_NUMBER: _builtins.int
     worker_id_contains: _builtins.str
     page_size: _builtins.int
     page_token: _builtins.str
+    order_by: _builtins.str
+    """One of worker_id (default), status, last_heartbeat_time, last_dequeue_time; a time a worker
+    never had sorts as the latest.
+    """
+    order: _common_pb2.SortOrder.ValueType
     @_builtins.property
     def statuses(self) -> _containers.RepeatedScalarFieldContainer[_worker_pb2.WorkerStatus.ValueType]: ...
     def __init__(
@@ -1507,10 +1545,12 @@ class ListWorkersRequest(_message.Message):
         worker_id_contains: _builtins.str = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        order_by: _builtins.str = ...,
+        order: _common_pb2.SortOrder.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "statuses", b"statuses", "worker_id_contains", b"worker_id_contains"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["order", b"order", "order_by", b"order_by", "page_size", b"page_size", "page_token", b"page_token", "statuses", b"statuses", "worker_id_contains", b"worker_id_contains"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -339,7 +339,9 @@ class RolloutsSection(SpanStaging):
         descending: bool = False,
         page_size: int = 0,
         page_token: str = "",
+        match_any: bool = False,
     ) -> Page:
+        """One page of the rollouts the filters select: every filter given holds, or with ``match_any`` one."""
         status_set = rollout_statuses(statuses)
         id_set = set(rollout_ids)
         order = order_by or "create_time"
@@ -358,23 +360,28 @@ class RolloutsSection(SpanStaging):
             group_id,
             order,
             descending,
+            match_any,
         )
         after = paging.read_token(page_token, filters)
-        source: Iterable[RolloutState] = (
-            (self._rollouts[i] for i in rollout_ids if i in self._rollouts)
-            if id_set
-            else self._rollouts.values()
-        )
-        matches = [
-            rs
-            for rs in source
-            if (not status_set or rs.rollout.status in status_set)
-            and (not rollout_id_contains or rollout_id_contains in rs.rollout.rollout_id)
-            and (not mode_filter or rs.rollout.mode == mode_filter)
-            and (not group_id or rs.rollout.group_id == group_id)
-        ]
+        tests: list[Callable[[Rollout], bool]] = []
+        if status_set:
+            tests.append(lambda r: r.status in status_set)
         if id_set:
-            matches = list({rs.rollout.rollout_id: rs for rs in matches}.values())
+            tests.append(lambda r: r.rollout_id in id_set)
+        if rollout_id_contains:
+            tests.append(lambda r: rollout_id_contains in r.rollout_id)
+        if mode_filter:
+            tests.append(lambda r: r.mode == mode_filter)
+        if group_id:
+            tests.append(lambda r: r.group_id == group_id)
+        if id_set and not match_any:  # the ids pick the candidates: no scan of the whole store
+            source: Iterable[RolloutState] = (
+                self._rollouts[i] for i in dict.fromkeys(rollout_ids) if i in self._rollouts
+            )
+        else:
+            source = self._rollouts.values()
+        combine = any if match_any else all
+        matches = [rs for rs in source if not tests or combine(test(rs.rollout) for test in tests)]
 
         def cursor(rs: RolloutState) -> tuple[Any, ...]:
             return (key(rs.rollout), rs.create_seq)

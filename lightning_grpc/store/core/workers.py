@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -13,6 +14,14 @@ from .. import paging
 from ..state import Txn
 from .staging import SpanStaging
 from .validation import check_id, check_metadata
+
+#: The orders ListWorkers offers; a time a worker never had sorts as the latest.
+WORKER_ORDER_KEYS: dict[str, Callable[[Worker], Any]] = {
+    "worker_id": lambda w: w.worker_id,
+    "status": lambda w: int(w.status),
+    "last_heartbeat_time": lambda w: math.inf if w.last_heartbeat_time is None else w.last_heartbeat_time,
+    "last_dequeue_time": lambda w: math.inf if w.last_dequeue_time is None else w.last_dequeue_time,
+}
 
 
 class WorkersSection(SpanStaging):
@@ -50,7 +59,15 @@ class WorkersSection(SpanStaging):
         worker_id_contains: str = "",
         page_size: int = 0,
         page_token: str = "",
+        order_by: str = "",
+        descending: bool = False,
     ) -> Page:
+        order = order_by or "worker_id"
+        key = WORKER_ORDER_KEYS.get(order)
+        if key is None:
+            raise InvalidArgumentError(
+                "order_by", f"must be one of {', '.join(WORKER_ORDER_KEYS)} (got {order!r})"
+            )
         wanted = set()
         for i, s in enumerate(statuses):
             try:
@@ -58,17 +75,22 @@ class WorkersSection(SpanStaging):
             except ValueError:
                 raise InvalidArgumentError(f"statuses[{i}]", f"is not a worker status (got {s})") from None
         size = paging.page_size(page_size)
-        filters = paging.filter_hash(sorted(wanted), worker_id_contains)
+        filters = paging.filter_hash(sorted(wanted), worker_id_contains, order, descending)
+
+        def cursor(w: Worker) -> tuple[Any, ...]:
+            return (key(w), w.worker_id)
+
         matches = sorted(
             (
                 ws.worker
                 for ws in self._workers.values()
                 if (not wanted or ws.worker.status in wanted) and worker_id_contains in ws.worker.worker_id
             ),
-            key=lambda w: w.worker_id,
+            key=cursor,
+            reverse=descending,
         )
         page, nxt = paging.keyset_page(
-            matches, lambda w: (w.worker_id,), size, paging.read_token(page_token, filters)
+            matches, cursor, size, paging.read_token(page_token, filters), descending
         )
         await self._durable()
         return Page(
