@@ -574,3 +574,16 @@ async def test_cancel_then_delete_a_rollout(client: StoreClient) -> None:
     done = await asyncio.to_thread(run_cli, "delete", queued.rollout_id, "--store", store)
     assert done.stdout.strip() == "deleted 1 rollouts, 0 attempts and 0 spans"
     assert [r.rollout_id for r in (await client.list_rollouts()).items] == [kept.rollout_id]
+
+
+async def test_retry_ends_a_stuck_attempt_and_queues_the_rollout(client: StoreClient) -> None:
+    await client.enqueue_rollout({"q": 1})
+    claimed = await client.dequeue_rollout(worker_id="hung")
+    assert claimed is not None
+    done = await asyncio.to_thread(
+        run_cli, "retry", claimed.rollout_id, "--reason", "worker hung", "--store", client.config.target
+    )
+    assert done.returncode == 0, done.stderr
+    assert table_rows(done.stdout)[claimed.rollout_id][1:] == ["requeuing", "1"]
+    (attempt,) = await client.query_attempts(claimed.rollout_id)
+    assert str(attempt.status) == "failed" and attempt.status_message == "worker hung"

@@ -707,3 +707,22 @@ async def test_workers_list_in_the_order_asked_and_page_in_it(client: StoreClien
         await client.stub.ListWorkers(pb.ListWorkersRequest(order_by="age"))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "order_by" in (refused.value.details() or "")
+
+
+async def test_retry_rollout_replaces_a_stuck_attempt_whatever_the_retry_config(client: StoreClient) -> None:
+    rid, stuck = await claim(client, config=RolloutConfig(max_attempts=1))
+    retried = await client.retry_rollout(rid, "worker hung")
+    assert retried.status == RolloutStatus.REQUEUING
+    (old,) = await client.query_attempts(rid)
+    assert (
+        old.attempt_id == stuck and old.status == AttemptStatus.FAILED and old.status_message == "worker hung"
+    )
+    assert old.end_time is not None
+    assert (await client.retry_rollout(rid)).status == RolloutStatus.REQUEUING  # already queued: unchanged
+    (again,) = await client.dequeue_rollouts(1, worker_id="w2")
+    assert again.rollout_id == rid and again.latest_attempt.sequence_number == 2
+    with pytest.raises(FailedPreconditionError):  # the stuck runner's late report moves nothing
+        await client.complete_attempt(rid, stuck, "succeeded")
+    await client.complete_attempt(rid, again.latest_attempt.attempt_id, "succeeded")
+    with pytest.raises(FailedPreconditionError, match="cannot be retried"):
+        await client.retry_rollout(rid)

@@ -3,6 +3,7 @@
 lightning-grpc enqueue '{"question": "2+2"}' --group-size 8 --mode train
 lightning-grpc enqueue --file tasks.jsonl --resources res-… --max-attempts 2
 lightning-grpc cancel ro-… ro-… --reason "bad prompt"
+lightning-grpc retry ro-… --reason "worker hung"   # end a stuck attempt, queue a new one
 lightning-grpc delete ro-…            # finished rollouts only
 lightning-grpc delete --older-than 1d # every rollout that ended more than a day ago
 
@@ -75,6 +76,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("rollout_ids", nargs="+", metavar="ROLLOUT_ID")
     p.add_argument("--reason", default="", help="kept as the rollouts' status message")
     p.set_defaults(func=with_store_client(cancel))
+
+    p = sub.add_parser(
+        "retry", parents=[common], help="end rollouts' stuck attempts and queue them for new ones"
+    )
+    p.add_argument("rollout_ids", nargs="+", metavar="ROLLOUT_ID")
+    p.add_argument("--reason", default="", help="kept as the ended attempts' status message")
+    p.set_defaults(func=with_store_client(retry))
 
     p = sub.add_parser(
         "delete", parents=[common], help="delete finished rollouts with their attempts and spans"
@@ -179,6 +187,17 @@ async def cancel(client: StoreClient, args: argparse.Namespace) -> int:
                 [[r.rollout_id, r.status, format_time(r.end_time)] for r in cancelled],
             )
         )
+    return 0
+
+
+async def retry(client: StoreClient, args: argparse.Namespace) -> int:
+    retried = [await client.retry_rollout(rollout_id, args.reason) for rollout_id in args.rollout_ids]
+    if args.json:
+        for r in retried:
+            print(json.dumps(jsonable(r), ensure_ascii=False))
+    else:
+        rows = [[r.rollout_id, r.status, r.attempt_count] for r in retried]
+        print(format_table(("ID", "STATUS", "ATTEMPTS"), rows))
     return 0
 
 

@@ -204,6 +204,11 @@ class StoreClient:
         )
         return convert.rollout_from_pb(resp.rollout)
 
+    async def retry_rollout(self, rollout_id: str, reason: str = "") -> t.Rollout:
+        """End the rollout's stuck attempt (FAILED, with ``reason``) and queue it for a new one."""
+        resp = await self._call("RetryRollout", pb.RetryRolloutRequest(rollout_id=rollout_id, reason=reason))
+        return convert.rollout_from_pb(resp.rollout)
+
     async def get_rollout(self, rollout_id: str) -> t.Rollout:
         resp = await self._call("GetRollout", pb.GetRolloutRequest(rollout_id=rollout_id))
         return convert.rollout_from_pb(resp.rollout)

@@ -140,6 +140,13 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
         return resp
 
     @unary
+    async def RetryRollout(self, request: pb.RetryRolloutRequest, context: Ctx) -> pb.RetryRolloutResponse:
+        rollout = await self.store.retry_rollout(request.rollout_id, request.reason)
+        resp = pb.RetryRolloutResponse()
+        convert.rollout_to_pb(rollout, resp.rollout)
+        return resp
+
+    @unary
     async def GetRollout(self, request: pb.GetRolloutRequest, context: Ctx) -> pb.GetRolloutResponse:
         rollout = await self.store.get_rollout(request.rollout_id)
         resp = pb.GetRolloutResponse()

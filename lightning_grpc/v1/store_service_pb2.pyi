@@ -415,6 +415,55 @@ class CancelRolloutResponse(_message.Message):
 Global___CancelRolloutResponse: _TypeAlias = CancelRolloutResponse  # noqa: Y015
 
 @_typing.final
+class RetryRolloutRequest(_message.Message):
+    """Request of RetryRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLLOUT_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    rollout_id: _builtins.str
+    reason: _builtins.str
+    """Kept as the ended attempt's status message."""
+    def __init__(
+        self,
+        *,
+        rollout_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "rollout_id", b"rollout_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryRolloutRequest: _TypeAlias = RetryRolloutRequest  # noqa: Y015
+
+@_typing.final
+class RetryRolloutResponse(_message.Message):
+    """Response of RetryRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLLOUT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rollout(self) -> _rollout_pb2.Rollout:
+        """The rollout, queued again (REQUEUING)."""
+
+    def __init__(
+        self,
+        *,
+        rollout: _rollout_pb2.Rollout | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rollout", b"rollout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rollout", b"rollout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryRolloutResponse: _TypeAlias = RetryRolloutResponse  # noqa: Y015
+
+@_typing.final
 class GetRolloutRequest(_message.Message):
     """Request of GetRollout."""
 

@@ -67,6 +67,11 @@ class StoreServiceStub:
                 request_serializer=lightning_dot_v1_dot_store__service__pb2.CancelRolloutRequest.SerializeToString,
                 response_deserializer=lightning_dot_v1_dot_store__service__pb2.CancelRolloutResponse.FromString,
                 _registered_method=True)
+        self.RetryRollout = channel.unary_unary(
+                '/lightning.v1.StoreService/RetryRollout',
+                request_serializer=lightning_dot_v1_dot_store__service__pb2.RetryRolloutRequest.SerializeToString,
+                response_deserializer=lightning_dot_v1_dot_store__service__pb2.RetryRolloutResponse.FromString,
+                _registered_method=True)
         self.GetRollout = channel.unary_unary(
                 '/lightning.v1.StoreService/GetRollout',
                 request_serializer=lightning_dot_v1_dot_store__service__pb2.GetRolloutRequest.SerializeToString,
@@ -232,6 +237,17 @@ class StoreServiceServicer:
     def CancelRollout(self, request, context):
         """Cancels a rollout: it leaves the queue, its running attempt ends CANCELLED, and the runner
         learns it from its next heartbeat. Cancelling a cancelled rollout returns it unchanged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetryRollout(self, request, context):
+        """Ends a rollout's stuck attempt and queues the rollout for a new one: the active attempt (if
+        any) ends FAILED with the reason, and the rollout is REQUEUING whatever its retry_on and
+        max_attempts say. A rollout already in the queue is returned unchanged; a finished one is
+        refused (FAILED_PRECONDITION, ROLLOUT_FINISHED). A rollout has one active attempt at a time,
+        always its latest: this is how a new one replaces a stuck one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -437,6 +453,11 @@ def add_StoreServiceServicer_to_server(servicer, server):
                     servicer.CancelRollout,
                     request_deserializer=lightning_dot_v1_dot_store__service__pb2.CancelRolloutRequest.FromString,
                     response_serializer=lightning_dot_v1_dot_store__service__pb2.CancelRolloutResponse.SerializeToString,
+            ),
+            'RetryRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetryRollout,
+                    request_deserializer=lightning_dot_v1_dot_store__service__pb2.RetryRolloutRequest.FromString,
+                    response_serializer=lightning_dot_v1_dot_store__service__pb2.RetryRolloutResponse.SerializeToString,
             ),
             'GetRollout': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRollout,
@@ -719,6 +740,33 @@ class StoreService:
             '/lightning.v1.StoreService/CancelRollout',
             lightning_dot_v1_dot_store__service__pb2.CancelRolloutRequest.SerializeToString,
             lightning_dot_v1_dot_store__service__pb2.CancelRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetryRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lightning.v1.StoreService/RetryRollout',
+            lightning_dot_v1_dot_store__service__pb2.RetryRolloutRequest.SerializeToString,
+            lightning_dot_v1_dot_store__service__pb2.RetryRolloutResponse.FromString,
             options,
             channel_credentials,
             insecure,

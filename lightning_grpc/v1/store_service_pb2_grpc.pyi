@@ -57,6 +57,13 @@ class StoreServiceStub:
     """Cancels a rollout: it leaves the queue, its running attempt ends CANCELLED, and the runner
     learns it from its next heartbeat. Cancelling a cancelled rollout returns it unchanged.
     """
+    RetryRollout: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.RetryRolloutRequest, _store_service_pb2.RetryRolloutResponse]
+    """Ends a rollout's stuck attempt and queues the rollout for a new one: the active attempt (if
+    any) ends FAILED with the reason, and the rollout is REQUEUING whatever its retry_on and
+    max_attempts say. A rollout already in the queue is returned unchanged; a finished one is
+    refused (FAILED_PRECONDITION, ROLLOUT_FINISHED). A rollout has one active attempt at a time,
+    always its latest: this is how a new one replaces a stuck one.
+    """
     GetRollout: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.GetRolloutRequest, _store_service_pb2.GetRolloutResponse]
     """Returns one rollout with its latest attempt."""
     ListRollouts: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.ListRolloutsRequest, _store_service_pb2.ListRolloutsResponse]
@@ -143,6 +150,13 @@ class StoreServiceAsyncStub(StoreServiceStub):
     CancelRollout: _aio.UnaryUnaryMultiCallable[_store_service_pb2.CancelRolloutRequest, _store_service_pb2.CancelRolloutResponse]  # type: ignore[assignment]
     """Cancels a rollout: it leaves the queue, its running attempt ends CANCELLED, and the runner
     learns it from its next heartbeat. Cancelling a cancelled rollout returns it unchanged.
+    """
+    RetryRollout: _aio.UnaryUnaryMultiCallable[_store_service_pb2.RetryRolloutRequest, _store_service_pb2.RetryRolloutResponse]  # type: ignore[assignment]
+    """Ends a rollout's stuck attempt and queues the rollout for a new one: the active attempt (if
+    any) ends FAILED with the reason, and the rollout is REQUEUING whatever its retry_on and
+    max_attempts say. A rollout already in the queue is returned unchanged; a finished one is
+    refused (FAILED_PRECONDITION, ROLLOUT_FINISHED). A rollout has one active attempt at a time,
+    always its latest: this is how a new one replaces a stuck one.
     """
     GetRollout: _aio.UnaryUnaryMultiCallable[_store_service_pb2.GetRolloutRequest, _store_service_pb2.GetRolloutResponse]  # type: ignore[assignment]
     """Returns one rollout with its latest attempt."""
@@ -263,6 +277,19 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_store_service_pb2.CancelRolloutResponse, _abc.Awaitable[_store_service_pb2.CancelRolloutResponse]]:
         """Cancels a rollout: it leaves the queue, its running attempt ends CANCELLED, and the runner
         learns it from its next heartbeat. Cancelling a cancelled rollout returns it unchanged.
+        """
+
+    @_abc_1.abstractmethod
+    def RetryRollout(
+        self,
+        request: _store_service_pb2.RetryRolloutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_service_pb2.RetryRolloutResponse, _abc.Awaitable[_store_service_pb2.RetryRolloutResponse]]:
+        """Ends a rollout's stuck attempt and queues the rollout for a new one: the active attempt (if
+        any) ends FAILED with the reason, and the rollout is REQUEUING whatever its retry_on and
+        max_attempts say. A rollout already in the queue is returned unchanged; a finished one is
+        refused (FAILED_PRECONDITION, ROLLOUT_FINISHED). A rollout has one active attempt at a time,
+        always its latest: this is how a new one replaces a stuck one.
         """
 
     @_abc_1.abstractmethod

@@ -314,6 +314,38 @@ class RolloutsSection(SpanStaging):
         log.info("event=rollout_cancelled rollout_id=%s", rollout_id)
         return self._snapshot(rs)
 
+    async def retry_rollout(self, rollout_id: str, reason: str = "") -> Rollout:
+        """End the active attempt (FAILED, with ``reason``) and queue the rollout for a new attempt.
+
+        For an attempt that is stuck: the retry policy (``retry_on``, ``max_attempts``) does not
+        apply. A rollout already queued is returned unchanged; a finished one cannot be retried.
+        """
+        self._check_writable()
+        rs = self._rollout(rollout_id)
+        r = rs.rollout
+        if r.status.is_terminal:
+            raise FailedPreconditionError(
+                f"rollout {rollout_id} already finished as {r.status}; it cannot be retried",
+                reason=Reason.ROLLOUT_FINISHED,
+                rolloutId=rollout_id,
+                status=str(r.status),
+            )
+        if rollout_id in self._queue:
+            await self._durable()
+            return self._snapshot(rs)
+        now = self.clock()
+        tx = Txn()
+        latest = rs.latest
+        if latest is not None and latest.attempt.status.is_active:
+            self._end_attempt(latest, AttemptStatus.FAILED, reason or "ended to be retried", now, tx)
+        r.status = RolloutStatus.REQUEUING
+        self._push_queue(rs, tx)
+        self._record_change(rs, tx)
+        self._wake_dequeuers()
+        await self._apply(tx)
+        log.info("event=rollout_retried rollout_id=%s", rollout_id)
+        return self._snapshot(rs)
+
     async def get_rollout(self, rollout_id: str) -> Rollout:
         rs = self._rollout(rollout_id)
         await self._durable()
