@@ -275,6 +275,8 @@ class Statistics:
     backend: str
     memory_bytes: int = 0
     queue_length: int = 0
+    #: The SQLite database on disk, its write-ahead log included (0 in memory).
+    storage_bytes: int = 0
 
 
 @dataclass

@@ -315,7 +315,10 @@ def test_stats_text_and_json(store: Seeded) -> None:
     assert fields["rollouts"] == "5"
     assert fields["by status"] == "failed 1, queuing 2, running 1, succeeded 1"
     assert fields["spans"] == "2"
+    assert "memory" not in fields  # a SQLite store says what it holds on disk instead
+    assert fields["on disk"].endswith(("KiB", "MiB")) and float(fields["on disk"][:-3]) > 0
     (record,) = map(json.loads, store.ok("stats", "--json").splitlines())
+    assert record["storage_bytes"] > 4096 and record["memory_bytes"] == 0
     assert record["total_rollouts"] == 5
     assert record["rollouts_by_status"] == {"succeeded": 1, "failed": 1, "running": 1, "queuing": 2}
     assert record["queue_length"] == 2

@@ -352,7 +352,9 @@ def stats_fields(s: t.Statistics) -> list[tuple[str, object]]:
         ("spans", s.total_spans),
         ("resources", s.total_resources),
         ("workers", s.total_workers),
-        ("memory", format_bytes(s.memory_bytes)),
+        ("memory", format_bytes(s.memory_bytes))
+        if s.backend == "memory"
+        else ("on disk", format_bytes(s.storage_bytes)),
     ]
 
 

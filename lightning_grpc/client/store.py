@@ -571,6 +571,7 @@ class StoreClient:
             uptime=convert.duration_to_float(resp.uptime) or 0.0,
             backend=resp.backend,
             memory_bytes=resp.memory_bytes,
+            storage_bytes=resp.storage_bytes,
             queue_length=resp.queue_length,
         )
 

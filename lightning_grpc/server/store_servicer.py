@@ -427,6 +427,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             total_workers=stats.total_workers,
             backend=stats.backend,
             memory_bytes=stats.memory_bytes,
+            storage_bytes=stats.storage_bytes,
             queue_length=stats.queue_length,
         )
         convert.float_to_duration(stats.uptime, resp.uptime)

@@ -53,6 +53,10 @@ class Backend(Protocol):
 
     def load_span_ids(self, rollout_id: str, attempt_no: int) -> dict[str, int]: ...
 
+    def storage_bytes(self) -> int:
+        """Bytes the backend keeps on disk (0 when it keeps nothing there)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -110,6 +114,9 @@ class MemoryBackend:
 
     def load_span_ids(self, rollout_id: str, attempt_no: int) -> dict[str, int]:
         return {r.span_id: r.sequence_id for r in self._spans.get(rollout_id, {}).get(attempt_no, [])}
+
+    def storage_bytes(self) -> int:
+        return 0
 
     async def close(self) -> None:
         return None

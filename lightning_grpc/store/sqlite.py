@@ -360,6 +360,16 @@ class SqliteBackend:
         params.append(q.limit)
         return [SpanRecord(*row) for row in self._reader().execute(sql, params)]
 
+    def storage_bytes(self) -> int:
+        """The database file and its write-ahead log and shared-memory files, as they are now."""
+        total = 0
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                total += (self.path.parent / (self.path.name + suffix)).stat().st_size
+            except OSError:
+                continue
+        return total
+
     def load_span_ids(self, rollout_id: str, attempt_no: int) -> dict[str, int]:
         assert self._index_conn is not None
         cur = self._index_conn.execute(

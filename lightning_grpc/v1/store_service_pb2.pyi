@@ -1810,6 +1810,7 @@ class GetStatisticsResponse(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     QUEUE_LENGTH_FIELD_NUMBER: _builtins.int
+    STORAGE_BYTES_FIELD_NUMBER: _builtins.int
     total_rollouts: _builtins.int
     total_attempts: _builtins.int
     total_spans: _builtins.int
@@ -1820,6 +1821,8 @@ class GetStatisticsResponse(_message.Message):
     memory_bytes: _builtins.int
     """Bytes held by the in-memory backend's spans and rollouts (0 for sqlite)."""
     queue_length: _builtins.int
+    storage_bytes: _builtins.int
+    """Bytes of the SQLite database on disk, its write-ahead log included (0 in memory)."""
     @_builtins.property
     def rollouts_by_status(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Keyed by status name, for example "ROLLOUT_STATUS_RUNNING"."""
@@ -1839,10 +1842,11 @@ class GetStatisticsResponse(_message.Message):
         backend: _builtins.str = ...,
         memory_bytes: _builtins.int = ...,
         queue_length: _builtins.int = ...,
+        storage_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["uptime", b"uptime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "memory_bytes", b"memory_bytes", "queue_length", b"queue_length", "rollouts_by_status", b"rollouts_by_status", "total_attempts", b"total_attempts", "total_resources", b"total_resources", "total_rollouts", b"total_rollouts", "total_spans", b"total_spans", "total_workers", b"total_workers", "uptime", b"uptime"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "memory_bytes", b"memory_bytes", "queue_length", b"queue_length", "rollouts_by_status", b"rollouts_by_status", "storage_bytes", b"storage_bytes", "total_attempts", b"total_attempts", "total_resources", b"total_resources", "total_rollouts", b"total_rollouts", "total_spans", b"total_spans", "total_workers", b"total_workers", "uptime", b"uptime"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -35,6 +35,7 @@ class HousekeepingSection(SpanStaging):
             backend=self.backend.name,
             memory_bytes=self._memory_bytes if self.backend.in_memory else 0,
             queue_length=len(self._queue),
+            storage_bytes=self.backend.storage_bytes(),
         )
 
     async def delete_rollouts(
