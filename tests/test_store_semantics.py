@@ -17,7 +17,7 @@ from lightning_grpc.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from lightning_grpc.types import AttemptStatus, RolloutConfig, RolloutStatus, WorkerStatus
+from lightning_grpc.types import AttemptStatus, PromptTemplate, RolloutConfig, RolloutStatus, WorkerStatus
 from tests.helpers import make_span, make_spans
 
 RETRY_ALL = (AttemptStatus.FAILED, AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE)
@@ -726,3 +726,32 @@ async def test_retry_rollout_replaces_a_stuck_attempt_whatever_the_retry_config(
     await client.complete_attempt(rid, again.latest_attempt.attempt_id, "succeeded")
     with pytest.raises(FailedPreconditionError, match="cannot be retried"):
         await client.retry_rollout(rid)
+
+
+async def test_the_client_pages_every_list_with_its_total_and_limits_the_queries(client: StoreClient) -> None:
+    rid, first = await claim(client, config=RolloutConfig(max_attempts=3, retry_on=(AttemptStatus.FAILED,)))
+    await client.complete_attempt(rid, first, "failed", "try again")
+    (again,) = await client.dequeue_rollouts(1, worker_id="w2")
+    await client.add_spans(make_spans(5), rollout_id=rid, attempt_id=again.latest_attempt.attempt_id)
+    for i in range(3):
+        await client.add_resources({"p": PromptTemplate(f"v{i} {{x}}")})
+        await client.update_worker(f"worker-{i}", {})
+
+    page = await client.list_attempts(rid, descending=True, page_size=1)
+    assert page.total_size == 2 and [a.sequence_number for a in page.items] == [2]
+    rest = await client.list_attempts(rid, descending=True, page_size=1, page_token=page.next_page_token)
+    assert [a.sequence_number for a in rest.items] == [1] and not rest.next_page_token
+    resources = await client.list_resources(page_size=2)
+    assert resources.total_size == 3 and len(resources.items) == 2 and resources.next_page_token
+    workers = await client.list_workers(
+        worker_id_contains="worker-", order_by="last_heartbeat_time", descending=True, page_size=2
+    )
+    assert workers.total_size == 3 and workers.items[0].worker_id == "worker-2"
+
+    assert [a.sequence_number for a in await client.query_attempts(rid, limit=1)] == [1]
+    assert len(await client.query_spans(rid, limit=3)) == 3
+    assert len(await client.query_spans(rid)) == 5
+    assert len(await client.query_resources(limit=2)) == 2
+    assert [w.worker_id for w in await client.query_workers(order_by="worker_id", limit=2)] == ["w1", "w2"]
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        await client.query_workers(limit=-1)

@@ -13,7 +13,7 @@ from lightning_grpc import convert
 from lightning_grpc import types as t
 from lightning_grpc.errors import InvalidArgumentError, LightningError, NotFoundError, UnavailableError
 from lightning_grpc.types import AddSpansResult, AttemptHeartbeat, WatchEvent
-from lightning_grpc.v1 import span_pb2
+from lightning_grpc.v1 import common_pb2, span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
@@ -21,6 +21,10 @@ from .config import ClientConfig
 from .errors import from_rpc_error
 
 T = TypeVar("T")
+
+
+def _order(descending: bool) -> Any:
+    return common_pb2.SORT_ORDER_DESCENDING if descending else common_pb2.SORT_ORDER_ASCENDING
 
 
 def _enum(kind: type[T], value: Any) -> T:
@@ -127,15 +131,31 @@ class StoreClient:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
-    async def _all_pages(self, method: str, request: Any, field: str, item: Callable[[Any], T]) -> list[T]:
-        """Every item of a List call, following page tokens."""
+    async def _all_pages(
+        self, method: str, request: Any, field: str, item: Callable[[Any], T], limit: int | None = None
+    ) -> list[T]:
+        """Every item of a List call (at most ``limit``), following page tokens."""
+        if limit is not None:
+            if limit < 0:
+                raise InvalidArgumentError("limit", f"must not be negative (got {limit})")
+            request.page_size = min(request.page_size or 1000, max(limit, 1))
         out: list[T] = []
-        while True:
+        while limit is None or len(out) < limit:
             resp = await self._call(method, request)
             out.extend(item(x) for x in getattr(resp, field))
             if not resp.next_page_token:
-                return out
+                break
             request.page_token = resp.next_page_token
+        return out if limit is None else out[:limit]
+
+    async def _page(self, method: str, request: Any, field: str, item: Callable[[Any], T]) -> t.Page:
+        """One page of a List call, with the token of the next and the number of matches in all pages."""
+        resp = await self._call(method, request)
+        return t.Page(
+            items=[item(x) for x in getattr(resp, field)],
+            next_page_token=resp.next_page_token,
+            total_size=getattr(resp, "total_size", 0),
+        )
 
     # ------------------------------------------------------------ rollouts
     async def start_rollout(self, input: Any, *, worker_id: str = "", **spec: Any) -> t.Rollout:
@@ -231,7 +251,9 @@ class StoreClient:
         descending: bool = False,
         page_size: int = 0,
         page_token: str = "",
+        match_any: bool = False,
     ) -> t.Page:
+        """One page of rollouts; the filters given must all hold, or with ``match_any`` one of them."""
         request = pb.ListRolloutsRequest(
             statuses=[int(_enum(t.RolloutStatus, s)) for s in status_in],  # type: ignore[misc]
             rollout_ids=list(rollout_ids),
@@ -239,9 +261,10 @@ class StoreClient:
             mode=int(_enum(t.RolloutMode, mode)) if mode is not None else 0,  # type: ignore[arg-type]
             group_id=group_id,
             order_by=order_by,
-            order=2 if descending else 0,  # type: ignore[arg-type]
+            order=_order(descending),
             page_size=page_size,
             page_token=page_token,
+            match=pb.FILTER_MATCH_ANY if match_any else pb.FILTER_MATCH_ALL,
         )
         resp = await self._call("ListRollouts", request)
         return t.Page(
@@ -266,9 +289,21 @@ class StoreClient:
         resp = await self._call("GetLatestAttempt", pb.GetLatestAttemptRequest(rollout_id=rollout_id))
         return convert.attempt_from_pb(resp.attempt) if resp.HasField("attempt") else None
 
-    async def query_attempts(self, rollout_id: str, *, descending: bool = False) -> list[t.Attempt]:
-        request = pb.ListAttemptsRequest(rollout_id=rollout_id, order=2 if descending else 0, page_size=1000)  # type: ignore[arg-type]
-        return await self._all_pages("ListAttempts", request, "attempts", convert.attempt_from_pb)
+    async def query_attempts(
+        self, rollout_id: str, *, descending: bool = False, limit: int | None = None
+    ) -> list[t.Attempt]:
+        """A rollout's attempts by sequence number (at most ``limit``), across all pages."""
+        request = pb.ListAttemptsRequest(rollout_id=rollout_id, order=_order(descending), page_size=1000)
+        return await self._all_pages("ListAttempts", request, "attempts", convert.attempt_from_pb, limit)
+
+    async def list_attempts(
+        self, rollout_id: str, *, descending: bool = False, page_size: int = 0, page_token: str = ""
+    ) -> t.Page:
+        """One page of a rollout's attempts (``total_size``: all of them)."""
+        request = pb.ListAttemptsRequest(
+            rollout_id=rollout_id, order=_order(descending), page_size=page_size, page_token=page_token
+        )
+        return await self._page("ListAttempts", request, "attempts", convert.attempt_from_pb)
 
     async def heartbeat_attempt(self, rollout_id: str, attempt_id: str) -> AttemptHeartbeat:
         resp = await self._call(
@@ -392,8 +427,9 @@ class StoreClient:
         parent_span_id: str = "",
         name: str = "",
         name_contains: str = "",
+        limit: int | None = None,
     ) -> list[t.Span]:
-        """All spans of a rollout (``attempt_id``: None for all attempts, "latest", or an id)."""
+        """The spans of a rollout, at most ``limit`` (``attempt_id``: None for all attempts, "latest", or an id)."""
         selector = pb.SpanSelector(
             rollout_id=rollout_id,
             attempt_id=attempt_id or "",
@@ -404,7 +440,7 @@ class StoreClient:
             name_contains=name_contains,
         )
         request = pb.ListSpansRequest(selector=selector, page_size=10_000)
-        return await self._all_pages("ListSpans", request, "spans", convert.span_from_pb)
+        return await self._all_pages("ListSpans", request, "spans", convert.span_from_pb, limit)
 
     async def tail_spans(
         self, rollout_id: str, attempt_id: str | None = None, *, follow: bool = False
@@ -465,14 +501,33 @@ class StoreClient:
         return convert.resources_update_from_pb(resp.resources) if resp.HasField("resources") else None
 
     async def query_resources(
-        self, *, resources_id_contains: str = "", descending: bool = False
+        self, *, resources_id_contains: str = "", descending: bool = False, limit: int | None = None
     ) -> list[t.ResourcesUpdate]:
         request = pb.ListResourcesRequest(
             resources_id_contains=resources_id_contains,
-            order=2 if descending else 0,  # type: ignore[arg-type]
+            order=_order(descending),
             page_size=1000,
         )
-        return await self._all_pages("ListResources", request, "resources", convert.resources_update_from_pb)
+        return await self._all_pages(
+            "ListResources", request, "resources", convert.resources_update_from_pb, limit
+        )
+
+    async def list_resources(
+        self,
+        *,
+        resources_id_contains: str = "",
+        descending: bool = False,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> t.Page:
+        """One page of resources sets (``total_size``: all that match)."""
+        request = pb.ListResourcesRequest(
+            resources_id_contains=resources_id_contains,
+            order=_order(descending),
+            page_size=page_size,
+            page_token=page_token,
+        )
+        return await self._page("ListResources", request, "resources", convert.resources_update_from_pb)
 
     # ------------------------------------------------------------ workers
     async def update_worker(
@@ -495,14 +550,43 @@ class StoreClient:
         return convert.worker_from_pb(resp.worker)
 
     async def query_workers(
-        self, *, status_in: Iterable[t.WorkerStatus | str | int] = (), worker_id_contains: str = ""
+        self,
+        *,
+        status_in: Iterable[t.WorkerStatus | str | int] = (),
+        worker_id_contains: str = "",
+        order_by: str = "",
+        descending: bool = False,
+        limit: int | None = None,
     ) -> list[t.Worker]:
         request = pb.ListWorkersRequest(
             statuses=[int(_enum(t.WorkerStatus, s)) for s in status_in],  # type: ignore[misc]
             worker_id_contains=worker_id_contains,
+            order_by=order_by,
+            order=_order(descending),
             page_size=1000,
         )
-        return await self._all_pages("ListWorkers", request, "workers", convert.worker_from_pb)
+        return await self._all_pages("ListWorkers", request, "workers", convert.worker_from_pb, limit)
+
+    async def list_workers(
+        self,
+        *,
+        status_in: Iterable[t.WorkerStatus | str | int] = (),
+        worker_id_contains: str = "",
+        order_by: str = "",
+        descending: bool = False,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> t.Page:
+        """One page of workers, by ``order_by`` (worker_id, status, last_heartbeat_time, last_dequeue_time)."""
+        request = pb.ListWorkersRequest(
+            statuses=[int(_enum(t.WorkerStatus, s)) for s in status_in],  # type: ignore[misc]
+            worker_id_contains=worker_id_contains,
+            order_by=order_by,
+            order=_order(descending),
+            page_size=page_size,
+            page_token=page_token,
+        )
+        return await self._page("ListWorkers", request, "workers", convert.worker_from_pb)
 
     # ------------------------------------------------------------ waiting
     async def wait_for_rollouts(
