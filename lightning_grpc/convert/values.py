@@ -1,13 +1,14 @@
-"""Values: JSON (Struct/Value), span attribute values (AnyValue), timestamps and durations."""
+"""Values: JSON (Struct/Value), span attribute values (ours and OTLP's AnyValue), timestamps and durations."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
+from opentelemetry.proto.common.v1 import common_pb2 as otlp_common
 
 from lightning_grpc.errors import InvalidArgumentError
 from lightning_grpc.v1 import common_pb2
@@ -160,3 +161,45 @@ def attributes_to_pb(attrs: Mapping[str, Any], out: Any) -> None:
 
 def attributes_from_pb(m: Any, numpy_arrays: bool = False) -> dict[str, Any]:
     return {k: any_to_python(v, numpy_arrays) for k, v in m.items()}
+
+
+# ------------------------------------------------------------------ OTLP attribute values
+
+
+_OTLP_SCALARS = frozenset({"string_value", "bool_value", "int_value", "double_value", "bytes_value"})
+
+
+def otlp_value_to_pb(src: otlp_common.AnyValue, out: common_pb2.AnyValue) -> None:
+    """One OTLP value into ours; an unset value (or a dictionary index, meaningless here) stays unset."""
+    kind = src.WhichOneof("value")
+    if kind in _OTLP_SCALARS:
+        setattr(out, kind, getattr(src, kind))
+    elif kind == "array_value":
+        _otlp_array_to_pb(src.array_value.values, out)
+    elif kind == "kvlist_value":
+        kvlist = out.kvlist_value
+        kvlist.SetInParent()
+        for item in src.kvlist_value.values:
+            otlp_value_to_pb(item.value, kvlist.values.add(key=item.key).value)
+
+
+def _otlp_array_to_pb(values: Sequence[otlp_common.AnyValue], out: common_pb2.AnyValue) -> None:
+    """Homogeneous int and float arrays are packed; anything else stays a list of values."""
+    kinds = {v.WhichOneof("value") for v in values}
+    if kinds == {"int_value"}:
+        out.int_array_value.values.extend([v.int_value for v in values])
+    elif kinds == {"double_value"}:
+        out.double_array_value.values.extend([v.double_value for v in values])
+    else:
+        array = out.array_value
+        array.SetInParent()
+        for v in values:
+            otlp_value_to_pb(v, array.values.add())
+
+
+def otlp_attributes_to_pb(src: Iterable[otlp_common.KeyValue], out: Any) -> None:
+    """OTLP key/values into a ``map<string, AnyValue>``; a repeated key keeps its last value."""
+    for kv in src:
+        entry = out[kv.key]
+        entry.Clear()
+        otlp_value_to_pb(kv.value, entry)

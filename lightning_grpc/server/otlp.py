@@ -1,8 +1,9 @@
 """OpenTelemetry OTLP/gRPC ``TraceService/Export`` on the Store's server: spans from any OTel SDK.
 
-A thin translation, like the StoreService servicer: each OTLP span becomes a serialized
-``lightning.v1.Span`` (ids as lowercase hex, resource attributes in ``Span.resource``, homogeneous
-int and float arrays packed) and goes to :meth:`Store.add_spans`, one batch per rollout attempt.
+A thin receiver, like the StoreService servicer: each OTLP span becomes a serialized
+``lightning.v1.Span`` (:func:`lightning_grpc.convert.spans.otlp_span_to_pb`; resource attributes in
+``Span.resource``) and goes to :meth:`Store.add_spans`, one batch per rollout attempt. What is OTLP's
+own stays here: attribution, and which spans are refused and why.
 
 Attribution (see :mod:`lightning_grpc.semconv`): each of the rollout id and the attempt id is taken
 from the span's attributes, else from its resource's attributes, else from the request's gRPC
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -28,6 +29,8 @@ from opentelemetry.proto.common.v1 import common_pb2 as otlp_common
 from opentelemetry.proto.trace.v1 import trace_pb2 as otlp_trace
 
 from lightning_grpc import convert, semconv
+from lightning_grpc.convert.spans import SCOPE_NAME, SCOPE_VERSION, MalformedIdError, otlp_span_to_pb
+from lightning_grpc.convert.values import otlp_attributes_to_pb, otlp_value_to_pb
 from lightning_grpc.errors import (
     InvalidArgumentError,
     LightningError,
@@ -45,9 +48,6 @@ log = logging.getLogger("lightning_grpc.server")
 Ctx = grpc.aio.ServicerContext
 TRACE_SERVICE = otlp_service.DESCRIPTOR.services_by_name["TraceService"].full_name
 
-#: Span attributes that carry the instrumentation scope (OpenTelemetry's names for non-OTLP formats).
-SCOPE_NAME = "otel.scope.name"
-SCOPE_VERSION = "otel.scope.version"
 #: Requests larger than this (serialized) are converted in a worker thread.
 THREAD_BYTES = 1024 * 1024
 #: At most this many distinct reasons are spelled out in ``partial_success.error_message``.
@@ -59,17 +59,6 @@ _ATTRIBUTION_KEYS = (
     semconv.LEGACY_ROLLOUT_ID,
     semconv.LEGACY_ATTEMPT_ID,
 )
-_SCALARS = frozenset({"string_value", "bool_value", "int_value", "double_value", "bytes_value"})
-_KIND_NAMES = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
-_KINDS = {
-    otlp_trace.Span.SpanKind.Value(f"SPAN_KIND_{n}"): span_pb2.SpanKind.Value(f"SPAN_KIND_{n}")
-    for n in _KIND_NAMES
-}
-_STATUS_CODES = {
-    otlp_trace.Status.STATUS_CODE_UNSET: span_pb2.SPAN_STATUS_CODE_UNSPECIFIED,
-    otlp_trace.Status.STATUS_CODE_OK: span_pb2.SPAN_STATUS_CODE_OK,
-    otlp_trace.Status.STATUS_CODE_ERROR: span_pb2.SPAN_STATUS_CODE_ERROR,
-}
 _SPAN_PREFIX = re.compile(r"^spans\[\d+\][.\s]?")
 
 UNATTRIBUTED = (
@@ -79,43 +68,7 @@ UNATTRIBUTED = (
 MALFORMED_IDS = "had malformed ids (trace id must be 16 bytes, span id 8, parent span id 8 or none)"
 BAD_SEQUENCE_ID = f"had a {semconv.SPAN_SEQUENCE_ID} that is not a non-negative integer"
 
-# ------------------------------------------------------------------ values
-
-
-def convert_value(src: otlp_common.AnyValue, out: common_pb2.AnyValue) -> None:
-    """One OTLP value into ours; an unset value (or a dictionary index, meaningless here) stays unset."""
-    kind = src.WhichOneof("value")
-    if kind in _SCALARS:
-        setattr(out, kind, getattr(src, kind))
-    elif kind == "array_value":
-        _convert_array(src.array_value.values, out)
-    elif kind == "kvlist_value":
-        kvlist = out.kvlist_value
-        kvlist.SetInParent()
-        for item in src.kvlist_value.values:
-            convert_value(item.value, kvlist.values.add(key=item.key).value)
-
-
-def _convert_array(values: Sequence[otlp_common.AnyValue], out: common_pb2.AnyValue) -> None:
-    """Homogeneous int and float arrays are packed; anything else stays a list of values."""
-    kinds = {v.WhichOneof("value") for v in values}
-    if kinds == {"int_value"}:
-        out.int_array_value.values.extend([v.int_value for v in values])
-    elif kinds == {"double_value"}:
-        out.double_array_value.values.extend([v.double_value for v in values])
-    else:
-        array = out.array_value
-        array.SetInParent()
-        for v in values:
-            convert_value(v, array.values.add())
-
-
-def convert_attributes(src: Iterable[otlp_common.KeyValue], out: Any) -> None:
-    """OTLP key/values into a ``map<string, AnyValue>``; a repeated key keeps its last value."""
-    for kv in src:
-        entry = out[kv.key]
-        entry.Clear()
-        convert_value(kv.value, entry)
+# ------------------------------------------------------------------ attribution
 
 
 def _attribution(attributes: Mapping[str, common_pb2.AnyValue]) -> tuple[str, str]:
@@ -149,14 +102,6 @@ class Rejected(Exception):
         self.why = why
 
 
-def _hex_id(raw: bytes, size: int, optional: bool = False) -> str:
-    if optional and (not raw or raw == bytes(size)):
-        return ""
-    if len(raw) != size or raw == bytes(size):
-        raise Rejected(MALFORMED_IDS)
-    return raw.hex()
-
-
 def _sequence_id(attributes: Mapping[str, common_pb2.AnyValue]) -> int:
     if semconv.SPAN_SEQUENCE_ID not in attributes:
         return 0
@@ -167,32 +112,12 @@ def _sequence_id(attributes: Mapping[str, common_pb2.AnyValue]) -> int:
 
 
 def convert_span(src: otlp_trace.Span, scope: otlp_common.InstrumentationScope) -> span_pb2.Span:
-    """An OTLP span as ours, not yet attributed and without its resource."""
-    span = span_pb2.Span(
-        trace_id=_hex_id(src.trace_id, 16),
-        span_id=_hex_id(src.span_id, 8),
-        parent_span_id=_hex_id(src.parent_span_id, 8, optional=True),
-        name=src.name,
-        kind=_KINDS.get(src.kind, span_pb2.SPAN_KIND_UNSPECIFIED),
-        start_time_unix_nano=src.start_time_unix_nano,
-        end_time_unix_nano=src.end_time_unix_nano,
-    )
-    if src.HasField("status"):
-        span.status.code = _STATUS_CODES.get(src.status.code, span_pb2.SPAN_STATUS_CODE_UNSPECIFIED)
-        span.status.message = src.status.message
-    convert_attributes(src.attributes, span.attributes)
-    if scope.name and SCOPE_NAME not in span.attributes:
-        span.attributes[SCOPE_NAME].string_value = scope.name
-        if scope.version and SCOPE_VERSION not in span.attributes:
-            span.attributes[SCOPE_VERSION].string_value = scope.version
-    for event in src.events:
-        converted = span.events.add(name=event.name, time_unix_nano=event.time_unix_nano)
-        convert_attributes(event.attributes, converted.attributes)
-    for link in src.links:
-        # Link ids are kept whatever their length: the store does not index them.
-        converted_link = span.links.add(trace_id=link.trace_id.hex(), span_id=link.span_id.hex())
-        convert_attributes(link.attributes, converted_link.attributes)
-    return span
+    """An OTLP span as ours (:func:`~lightning_grpc.convert.spans.otlp_span_to_pb`), refused when its ids
+    are malformed."""
+    try:
+        return otlp_span_to_pb(src, scope)
+    except MalformedIdError:
+        raise Rejected(MALFORMED_IDS) from None
 
 
 def _record(span: span_pb2.Span, resource_bytes: bytes) -> SpanRecord:
@@ -243,7 +168,7 @@ def group_spans(
     batches: Batches = {}
     for resource_spans in request.resource_spans:
         holder = span_pb2.Span()
-        convert_attributes(resource_spans.resource.attributes, holder.resource)
+        otlp_attributes_to_pb(resource_spans.resource.attributes, holder.resource)
         resource_bytes = holder.SerializeToString()
         from_resource = _attribution(holder.resource)
         for scope_spans in resource_spans.scope_spans:
@@ -371,4 +296,15 @@ def add_otlp_service(servicer: TraceServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(TRACE_SERVICE, handlers)
 
 
-__all__ = ["TRACE_SERVICE", "TraceServicer", "add_otlp_service", "convert_span", "convert_value"]
+#: The OTLP value conversion, under the name this module gave it.
+convert_value = otlp_value_to_pb
+
+__all__ = [
+    "SCOPE_NAME",
+    "SCOPE_VERSION",
+    "TRACE_SERVICE",
+    "TraceServicer",
+    "add_otlp_service",
+    "convert_span",
+    "convert_value",
+]

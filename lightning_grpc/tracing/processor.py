@@ -3,7 +3,8 @@
 At span start it stamps the attempt of the running code (from :mod:`.context`) on the span as
 attributes, so a span started inside a rollout is attributed to it even if it ends after the
 rollout's context is gone, and spans from instrumented libraries inside the agent are attributed
-like the agent's own. At span end it converts the span and hands it to the :class:`SpanStreamer`.
+like the agent's own. At span end it converts the span
+(:func:`lightning_grpc.convert.spans.otel_span_to_pb`) and hands it to the :class:`SpanStreamer`.
 """
 
 from __future__ import annotations
@@ -12,63 +13,17 @@ import logging
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
-from opentelemetry.trace import SpanKind, StatusCode
 
 from lightning_grpc import semconv
-from lightning_grpc.convert import attributes_to_pb
-from lightning_grpc.v1 import span_pb2
+from lightning_grpc.convert.spans import otel_span_to_pb
 
 from .context import current_attempt
 from .streamer import SpanStreamer
 
 log = logging.getLogger("lightning_grpc.tracing")
 
-_KINDS = {
-    SpanKind.INTERNAL: span_pb2.SPAN_KIND_INTERNAL,
-    SpanKind.SERVER: span_pb2.SPAN_KIND_SERVER,
-    SpanKind.CLIENT: span_pb2.SPAN_KIND_CLIENT,
-    SpanKind.PRODUCER: span_pb2.SPAN_KIND_PRODUCER,
-    SpanKind.CONSUMER: span_pb2.SPAN_KIND_CONSUMER,
-}
-_STATUS = {
-    StatusCode.UNSET: span_pb2.SPAN_STATUS_CODE_UNSPECIFIED,
-    StatusCode.OK: span_pb2.SPAN_STATUS_CODE_OK,
-    StatusCode.ERROR: span_pb2.SPAN_STATUS_CODE_ERROR,
-}
-
-
-def span_to_message(span: ReadableSpan, rollout_id: str, attempt_id: str) -> span_pb2.Span:
-    """An OpenTelemetry SDK span as a ``lightning.v1.Span``."""
-    ctx = span.context
-    m = span_pb2.Span(
-        rollout_id=rollout_id,
-        attempt_id=attempt_id,
-        trace_id=format(ctx.trace_id, "032x") if ctx else "",
-        span_id=format(ctx.span_id, "016x") if ctx else "",
-        parent_span_id=format(span.parent.span_id, "016x") if span.parent else "",
-        name=span.name,
-        kind=_KINDS.get(span.kind, span_pb2.SPAN_KIND_UNSPECIFIED),
-        start_time_unix_nano=span.start_time or 0,
-        end_time_unix_nano=span.end_time or 0,
-    )
-    if span.status.status_code != StatusCode.UNSET or span.status.description:
-        m.status.code = _STATUS[span.status.status_code]
-        m.status.message = span.status.description or ""
-    if span.attributes:
-        attributes_to_pb(span.attributes, m.attributes)
-    for event in span.events:
-        ev = m.events.add(name=event.name, time_unix_nano=event.timestamp or 0)
-        if event.attributes:
-            attributes_to_pb(event.attributes, ev.attributes)
-    for link in span.links:
-        lk = m.links.add(
-            trace_id=format(link.context.trace_id, "032x"), span_id=format(link.context.span_id, "016x")
-        )
-        if link.attributes:
-            attributes_to_pb(link.attributes, lk.attributes)
-    if span.resource is not None and span.resource.attributes:
-        attributes_to_pb(span.resource.attributes, m.resource)
-    return m
+#: The SDK span conversion, under the name this package gave it.
+span_to_message = otel_span_to_pb
 
 
 class LightningSpanProcessor(SpanProcessor):
@@ -118,7 +73,7 @@ class LightningSpanProcessor(SpanProcessor):
             self.unattributed += 1
             return
         try:
-            payload = span_to_message(span, rollout_id, attempt_id).SerializeToString()
+            payload = otel_span_to_pb(span, rollout_id, attempt_id).SerializeToString()
         except Exception as exc:  # a span we cannot convert must not break the agent
             log.warning("event=span_not_converted name=%s error=%r", span.name, exc)
             return
