@@ -222,6 +222,8 @@ async def store_batch(
     except NotFoundError as exc:
         rejections.add(len(records), _unknown(*key, exc))
     except LightningError as exc:
+        if exc.transient:
+            raise  # its status goes back to the exporter, which sends the request again
         if _span_fault(exc) and len(records) > 1:
             half = len(records) // 2
             await store_batch(store, key, records[:half], rejections)

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from lightning_grpc.convert import length_delimited
+from lightning_grpc.convert.framing import stream_request
 from lightning_grpc.v1 import store_service_pb2 as pb
 
 log = logging.getLogger("lightning_grpc.tracing")
@@ -161,8 +161,7 @@ class SpanStreamer:
                 chunk = spans[start : start + self.max_batch]
                 batch_id = self._next_batch
                 self._next_batch += 1
-                head = pb.AddSpansStreamRequest(batch_id=batch_id, rollout_id=key[0], attempt_id=key[1])
-                payload = head.SerializeToString() + b"".join(length_delimited(0x22, s) for s in chunk)
+                payload = stream_request(batch_id, key[0], key[1], chunk)
                 batch = _Batch(batch_id, key, len(chunk), payload)
                 self._unacked[batch_id] = batch
                 self._to_send.put_nowait(batch)
