@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lightning_grpc.proxy.service import ProxyServicer
+from lightning_grpc.server.proxy_servicer import ProxyServicer
 from lightning_grpc.server.store_servicer import StoreServicer
 from lightning_grpc.server.trainer_servicer import TrainerServicer
 from lightning_grpc.v1 import (

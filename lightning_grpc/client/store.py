@@ -17,6 +17,7 @@ from lightning_grpc.v1 import common_pb2, span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
+from .channel import call_metadata, make_channel
 from .config import ClientConfig
 from .errors import from_rpc_error
 
@@ -40,26 +41,6 @@ def _enum(kind: type[T], value: Any) -> T:
         return kind(value)  # type: ignore[call-arg]
     except ValueError:
         return value  # type: ignore[no-any-return]  # an unknown number: the server answers INVALID_ARGUMENT
-
-
-def make_channel(config: ClientConfig) -> grpc.aio.Channel:
-    options: list[tuple[str, Any]] = [
-        ("grpc.service_config", config.service_config()),
-        ("grpc.enable_retries", 1 if config.retry else 0),
-        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
-    compression = grpc.Compression.Gzip if config.gzip else None
-    if config.tls is None:
-        return grpc.aio.insecure_channel(config.target, options=options, compression=compression)
-    tls = config.tls
-    if tls.server_name_override:
-        options.append(("grpc.ssl_target_name_override", tls.server_name_override))
-    creds = grpc.ssl_channel_credentials(tls.root_certificates, tls.private_key, tls.certificate_chain)
-    return grpc.aio.secure_channel(config.target, creds, options=options, compression=compression)
 
 
 def _spec(
@@ -94,9 +75,7 @@ class StoreClient:
         self.config = target if isinstance(target, ClientConfig) else ClientConfig(target=target, **options)
         self._channel = make_channel(self.config)
         self._stub = pb_grpc.StoreServiceStub(self._channel)
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
-        )
+        self._metadata = call_metadata(self.config)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -122,6 +101,11 @@ class StoreClient:
     def stub(self) -> pb_grpc.StoreServiceStub:
         """The raw generated stub, for anything this class does not wrap."""
         return self._stub
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel of this client (the span shipper streams spans over it)."""
+        return self._channel
 
     async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         try:

@@ -30,9 +30,10 @@ from lightning_grpc.trainer.tensors import (
 from lightning_grpc.v1 import trainer_service_pb2 as pb
 from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
 
+from .channel import call_metadata, make_channel
 from .config import ClientConfig
 from .errors import from_rpc_error
-from .store import _enum, make_channel
+from .store import _enum
 
 
 @dataclass
@@ -134,9 +135,7 @@ class TrainerClient:
         self.config = target if isinstance(target, ClientConfig) else ClientConfig(target=target, **options)
         self._channel = make_channel(self.config)
         self._stub = pb_grpc.TrainerServiceStub(self._channel)
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
-        )
+        self._metadata = call_metadata(self.config)
 
     async def close(self) -> None:
         await self._channel.close()

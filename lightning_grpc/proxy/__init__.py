@@ -7,14 +7,60 @@ Agents call ``{proxy}/rollout/{rollout_id}/attempt/{attempt_id}/v1`` with any Op
 vLLM-dialect backends (vLLM, the embedded engine) are called directly and their bytes passed
 through; other OpenAI-compatible backends go through LiteLLM. LiteLLM is not used for the former
 because its vLLM streaming path drops ``prompt_token_ids`` from the chunks (see :mod:`.upstream`).
+
+The proxy's client lives with the other clients (:mod:`lightning_grpc.client.proxy`), its servicer
+with the other servicers (:mod:`lightning_grpc.server.proxy_servicer`); they are offered here too, and
+so are the servers that host the proxy (:mod:`.server`). Those modules import the proxy, so their
+names are loaded on first use rather than when this package is imported.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .app import LLMProxy
 from .backends import Backend, BackendDialect, BackendStats, BackendTable
-from .client import ProxyClient
 from .core import ProxyConfig, ProxyCore, ProxyStatus
-from .server import RunningProxy, serve_proxy, serve_with_store, start_proxy_server, start_with_store
-from .service import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
+
+if TYPE_CHECKING:
+    from lightning_grpc.client.proxy import ProxyClient
+    from lightning_grpc.server.proxy_servicer import (
+        PROXY_SERVICE,
+        ProxyServicer,
+        add_proxy_service,
+        service_hook,
+    )
+
+    from .server import RunningProxy, serve_proxy, serve_with_store, start_proxy_server, start_with_store
+
+_ELSEWHERE = {
+    "ProxyClient": "lightning_grpc.client.proxy",
+    **{
+        name: "lightning_grpc.server.proxy_servicer"
+        for name in ("PROXY_SERVICE", "ProxyServicer", "add_proxy_service", "service_hook")
+    },
+    **{
+        name: "lightning_grpc.proxy.server"
+        for name in (
+            "RunningProxy",
+            "serve_proxy",
+            "serve_with_store",
+            "start_proxy_server",
+            "start_with_store",
+        )
+    },
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _ELSEWHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "PROXY_SERVICE",

@@ -18,10 +18,10 @@ from grpc_reflection.v1alpha import reflection
 from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.server.app import RunningServer, ServerConfig, listen, start_server
 from lightning_grpc.server.auth import BearerTokenInterceptor
+from lightning_grpc.server.proxy_servicer import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
 from .app import LLMProxy
 from .core import ProxyConfig
-from .service import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
 log = logging.getLogger("lightning_grpc.proxy")
 

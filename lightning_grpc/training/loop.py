@@ -35,8 +35,8 @@ import torch
 from lightning_grpc import semconv
 from lightning_grpc.algorithm import final_reward
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
+from lightning_grpc.client.proxy import ProxyClient
 from lightning_grpc.proxy import Backend
-from lightning_grpc.proxy.client import ProxyClient
 from lightning_grpc.types import ProxyLLM, RolloutConfig, Span
 
 from .experiment import ExperimentConfig, read_tasks

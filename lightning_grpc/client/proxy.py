@@ -8,25 +8,16 @@ from typing import Any
 import grpc
 
 from lightning_grpc import convert
-from lightning_grpc.client.config import ClientConfig
-from lightning_grpc.client.errors import from_rpc_error
-from lightning_grpc.client.store import make_channel
+from lightning_grpc.convert.proxy import backend_from_pb, backend_to_pb
+from lightning_grpc.proxy.backends import Backend, BackendStats
+from lightning_grpc.proxy.core import ProxyStatus
 from lightning_grpc.types import LLM
 from lightning_grpc.v1 import proxy_service_pb2 as pb
 from lightning_grpc.v1 import proxy_service_pb2_grpc as pb_grpc
 
-from .backends import Backend, BackendStats
-from .core import ProxyStatus
-from .service import backend_from_pb
-
-
-def _backend_to_pb(b: Backend, out: pb.Backend) -> None:
-    out.model_name = b.model_name
-    out.api_base = b.api_base
-    out.dialect = int(b.dialect)  # type: ignore[assignment]
-    out.backend_model = b.backend_model
-    out.api_key = b.api_key
-    out.policy_version = b.policy_version
+from .channel import call_metadata, make_channel
+from .config import ClientConfig
+from .errors import from_rpc_error
 
 
 class ProxyClient:
@@ -36,9 +27,7 @@ class ProxyClient:
         self.config = target if isinstance(target, ClientConfig) else ClientConfig(target=target, **options)
         self._channel = make_channel(self.config)
         self.stub = pb_grpc.ProxyServiceStub(self._channel)
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
-        )
+        self._metadata = call_metadata(self.config)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -60,7 +49,7 @@ class ProxyClient:
     async def set_backends(self, backends: Sequence[Backend]) -> list[Backend]:
         request = pb.SetBackendsRequest()
         for b in backends:
-            _backend_to_pb(b, request.backends.add())
+            backend_to_pb(b, request.backends.add(), api_key=True)
         resp = await self._call("SetBackends", request)
         return [backend_from_pb(b) for b in resp.backends]
 

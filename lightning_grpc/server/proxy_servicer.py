@@ -1,49 +1,26 @@
-"""ProxyService over gRPC: translate Protobuf <-> the proxy's objects and call it. Nothing else."""
+"""ProxyService over gRPC: translate Protobuf <-> the proxy's objects (:mod:`lightning_grpc.convert.proxy`)
+and call the proxy. Nothing else."""
 
 from __future__ import annotations
 
 import grpc
 
 from lightning_grpc import convert
-from lightning_grpc.server.adapter import unary
-from lightning_grpc.server.app import ServiceHook
+from lightning_grpc.convert.proxy import backend_from_pb, backend_to_pb
+from lightning_grpc.proxy.core import ProxyCore
 from lightning_grpc.v1 import proxy_service_pb2 as pb
 from lightning_grpc.v1 import proxy_service_pb2_grpc as pb_grpc
 
-from .app import LLMProxy
-from .backends import Backend, BackendDialect
+from .adapter import unary
+from .app import ServiceHook
 
 PROXY_SERVICE = pb.DESCRIPTOR.services_by_name["ProxyService"].full_name
 Ctx = grpc.aio.ServicerContext
 DEFAULT_DRAIN_TIMEOUT = 60.0
 
 
-def backend_from_pb(m: pb.Backend) -> Backend:
-    try:
-        dialect = BackendDialect(m.dialect)
-    except ValueError:
-        dialect = m.dialect  # type: ignore[assignment]  # refused by the table's check, with the field named
-    return Backend(
-        model_name=m.model_name,
-        api_base=m.api_base,
-        dialect=dialect,
-        backend_model=m.backend_model,
-        api_key=m.api_key,
-        policy_version=m.policy_version,
-    )
-
-
-def backend_to_pb(b: Backend, out: pb.Backend) -> None:
-    """Everything but the API key, which never leaves the proxy."""
-    out.model_name = b.model_name
-    out.api_base = b.api_base
-    out.dialect = int(b.dialect)  # type: ignore[assignment]
-    out.backend_model = b.backend_model
-    out.policy_version = b.policy_version
-
-
 class ProxyServicer(pb_grpc.ProxyServiceServicer):
-    def __init__(self, proxy: LLMProxy) -> None:
+    def __init__(self, proxy: ProxyCore) -> None:
         self.proxy = proxy
 
     @unary
@@ -112,7 +89,7 @@ def add_proxy_service(servicer: ProxyServicer, server: grpc.aio.Server) -> None:
     pb_grpc.add_ProxyServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
 
 
-def service_hook(proxy: LLMProxy) -> ServiceHook:
+def service_hook(proxy: ProxyCore) -> ServiceHook:
     """``(name, add)`` for ``ServerConfig.extra_services``: host ProxyService on the Store's server."""
     servicer = ProxyServicer(proxy)
 
@@ -120,3 +97,6 @@ def service_hook(proxy: LLMProxy) -> ServiceHook:
         add_proxy_service(servicer, server)
 
     return PROXY_SERVICE, add
+
+
+__all__ = ["PROXY_SERVICE", "ProxyServicer", "add_proxy_service", "service_hook"]
