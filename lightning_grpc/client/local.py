@@ -8,7 +8,7 @@ with the same results and the same typed errors as :class:`~lightning_grpc.clien
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from lightning_grpc import convert
 from lightning_grpc import types as t
@@ -37,7 +37,13 @@ class LocalStoreClient:
         bodies = [
             (s if isinstance(s, span_pb2.Span) else convert.span_to_pb(s)).SerializeToString() for s in spans
         ]
-        return await self.store.add_spans(convert.span_records(bodies), rollout_id, attempt_id)
+        return await self.add_span_bytes(bodies, rollout_id, attempt_id)
+
+    async def add_span_bytes(
+        self, spans: Sequence[bytes], rollout_id: str = "", attempt_id: str = ""
+    ) -> AddSpansResult:
+        """Store serialized ``lightning.v1.Span`` messages as they are (what the span shipper sends)."""
+        return await self.store.add_spans(convert.span_records(spans), rollout_id, attempt_id)
 
     async def close(self) -> None:
         """Nothing to close: the Store belongs to the server."""

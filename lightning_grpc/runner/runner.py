@@ -123,7 +123,7 @@ class Runner:
             await self._client.close()
             raise
         self._processor = install_tracing()
-        self._streamer = self._processor.streamer_for(self.config.target, self.config.token)
+        self._streamer = self._processor.streamer_for(self.config)
         await _maybe_await(self.agent.setup())
         await self._beat_worker()  # the worker is known, with its stats, before it takes work
         self._worker_task = asyncio.create_task(self._worker_heartbeats(), name="lightning-worker-heartbeat")

@@ -6,6 +6,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
+from lightning_grpc.client.config import ClientConfig
+from lightning_grpc.client.spans import SpanStreamer
+
 from .context import AttemptContext, attempt_context, current_attempt, should_stop
 from .emitters import (
     emit_annotation,
@@ -16,19 +19,22 @@ from .emitters import (
     operation,
 )
 from .processor import LightningSpanProcessor, span_to_message
-from .streamer import SpanStreamer
 
 _processor: LightningSpanProcessor | None = None
 
 
 def install_tracing(
-    target: str | None = None, *, token: str | None = None, service_name: str = "lightning-runner"
+    target: str | ClientConfig | None = None,
+    *,
+    token: str | None = None,
+    service_name: str = "lightning-runner",
 ) -> LightningSpanProcessor:
     """Send spans made anywhere in this process to the Store (idempotent; returns the one processor).
 
     Adds the process's :class:`LightningSpanProcessor` to the global SDK tracer provider (creating
     one when the process has none yet), so spans of instrumented libraries are captured too. With
-    ``target``, a streamer to that Store is opened (the first becomes the default destination).
+    ``target`` (an address, or a :class:`~lightning_grpc.client.ClientConfig` with TLS and token), a
+    streamer to that Store is opened (the first becomes the default destination).
     """
     global _processor
     if _processor is None:

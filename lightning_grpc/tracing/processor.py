@@ -4,7 +4,8 @@ At span start it stamps the attempt of the running code (from :mod:`.context`) o
 attributes, so a span started inside a rollout is attributed to it even if it ends after the
 rollout's context is gone, and spans from instrumented libraries inside the agent are attributed
 like the agent's own. At span end it converts the span
-(:func:`lightning_grpc.convert.spans.otel_span_to_pb`) and hands it to the :class:`SpanStreamer`.
+(:func:`lightning_grpc.convert.spans.otel_span_to_pb`) and hands it to the span shipper
+(:class:`lightning_grpc.client.spans.SpanStreamer`), which sends it to the Store.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from lightning_grpc import semconv
+from lightning_grpc.client.config import ClientConfig
+from lightning_grpc.client.spans import SpanStreamer
 from lightning_grpc.convert.spans import otel_span_to_pb
 
 from .context import current_attempt
-from .streamer import SpanStreamer
 
 log = logging.getLogger("lightning_grpc.tracing")
 
@@ -40,11 +42,13 @@ class LightningSpanProcessor(SpanProcessor):
         self.routes: dict[str, SpanStreamer] = {}
         self.unattributed = 0
 
-    def streamer_for(self, target: str, token: str | None = None) -> SpanStreamer:
-        """The streamer to a Store address (created on first use; the first one becomes the default)."""
-        streamer = self.streamers.get(target)
+    def streamer_for(self, target: str | ClientConfig, token: str | None = None) -> SpanStreamer:
+        """The streamer to a Store (an address, or a client configuration with TLS and token), created on
+        first use; the first one becomes the default."""
+        config = target if isinstance(target, ClientConfig) else ClientConfig(target=target, token=token)
+        streamer = self.streamers.get(config.target)
         if streamer is None:
-            streamer = self.streamers[target] = SpanStreamer(target, token=token)
+            streamer = self.streamers[config.target] = SpanStreamer(config, log=log)
         if self.default is None:
             self.default = streamer
         return streamer

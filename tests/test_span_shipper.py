@@ -1,0 +1,191 @@
+"""The one span shipper (lightning_grpc.client.spans): what it does with each answer of the Store, the same
+for tracing's background streamer, the proxy's recorder over gRPC and the recorder next to an in-process Store."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from lightning_grpc import convert, semconv
+from lightning_grpc.client import StoreClient
+from lightning_grpc.client.local import LocalStoreClient
+from lightning_grpc.client.spans import CallSink, SpanShipper, SpanStreamer, ack_error
+from lightning_grpc.errors import (
+    InvalidArgumentError,
+    LightningError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from lightning_grpc.proxy.recorder import SpanRecorder
+from lightning_grpc.server.app import ServerConfig, start_server
+from lightning_grpc.types import Span
+from lightning_grpc.v1 import span_pb2
+from lightning_grpc.v1 import store_service_pb2 as pb
+
+
+def make_span(rollout_id: str = "ro-1", attempt_id: str = "at-1", **attributes: Any) -> Span:
+    return Span(
+        trace_id=os.urandom(16).hex(),
+        span_id=os.urandom(8).hex(),
+        name="work",
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        attributes=dict(attributes),
+    )
+
+
+def body(span: Span) -> bytes:
+    return convert.span_to_pb(span).SerializeToString()
+
+
+class FakeStore(LocalStoreClient):
+    """A Store in this process that takes serialized spans; ``answer`` says what to raise for a batch."""
+
+    def __init__(self, answer: Any = None) -> None:  # no Store behind it
+        self.answer = answer or (lambda spans: None)
+        self.calls: list[int] = []
+        self.stored: list[bytes] = []
+
+    async def add_span_bytes(self, spans: Sequence[bytes], rollout_id: str, attempt_id: str) -> None:
+        self.calls.append(len(spans))
+        error = self.answer(list(spans))
+        if error is not None:
+            raise error
+        self.stored.extend(spans)
+
+
+def shipper(store: FakeStore, **options: Any) -> SpanShipper:
+    return SpanShipper(CallSink(store), linger=0, max_backoff=0.05, **options).start()
+
+
+async def test_a_full_store_is_retried_until_it_has_room() -> None:
+    refusals = [ResourceExhaustedError("full", reason="STORE_MEMORY_FULL")] * 3
+    store = FakeStore(lambda spans: refusals.pop() if refusals else None)
+    s = shipper(store)
+    done = s.track("ro-1", "at-1", body(make_span()))
+    assert await asyncio.wait_for(done, 5) is True
+    assert (s.stats.retried, s.stats.rejected, s.stats.acknowledged) == (3, 0, 1)
+    await s.aclose()
+
+
+async def test_a_refused_batch_is_split_so_only_the_bad_span_is_given_up() -> None:
+    bad = body(make_span(bad=True))
+    store = FakeStore(lambda spans: InvalidArgumentError("spans[1]", "is bad") if bad in spans else None)
+    s = shipper(store, max_batch=10)
+    good = [body(make_span(n=i)) for i in range(5)]
+    futures = [s.track("ro-1", "at-1", b) for b in [*good[:2], bad, *good[2:]]]
+    results = await asyncio.wait_for(asyncio.gather(*futures), 5)
+    assert store.calls[0] == 6  # one batch first, then each span alone
+    assert results == [True, True, False, True, True, True]
+    assert sorted(store.stored) == sorted(good)
+    assert (s.stats.acknowledged, s.stats.rejected) == (5, 1)
+    await s.aclose()
+
+
+async def test_a_batch_for_an_unknown_attempt_is_given_up_whole() -> None:
+    store = FakeStore(lambda spans: NotFoundError("no such attempt", reason="ATTEMPT_NOT_FOUND"))
+    s = shipper(store, max_batch=10)
+    for i in range(4):
+        s.submit("ro-1", "at-gone", body(make_span(n=i)))
+    assert await s.flush(timeout=5)
+    assert store.calls == [4] and s.stats.rejected == 4
+    assert s.stats.rejections[0].startswith("ATTEMPT_NOT_FOUND")
+    await s.aclose()
+
+
+async def test_the_recorder_leaves_out_the_payload_of_a_span_too_large_for_the_store() -> None:
+    limit = 2000
+
+    def answer(spans: list[bytes]) -> LightningError | None:
+        if any(len(b) > limit for b in spans):
+            return ResourceExhaustedError("too large", reason="SPAN_TOO_LARGE")
+        return None
+
+    store = FakeStore(answer)
+    recorder = SpanRecorder(store, max_backoff=0.05).start()
+    big = make_span(**{semconv.LLM_REQUEST: "x" * 5000, semconv.LLM_RESPONSE: "y"})
+    small = make_span(**{semconv.LLM_REQUEST: "fine"})
+    assert await asyncio.gather(recorder.record(big, wait=5), recorder.record(small, wait=5)) == [True, True]
+    kept = {s.span_id: s for s in (convert.span_from_pb(span_pb2.Span.FromString(b)) for b in store.stored)}
+    assert kept[big.span_id].attributes[semconv.LLM_REQUEST].startswith("(left out")
+    assert kept[small.span_id].attributes[semconv.LLM_REQUEST] == "fine"
+    assert (recorder.stored, recorder.dropped) == (2, 0)
+    await recorder.close()
+
+
+async def test_what_is_unsent_at_close_is_counted_lost_and_its_waiters_hear_false() -> None:
+    store = FakeStore(lambda spans: UnavailableError("down"))
+    s = shipper(store)
+    futures = [s.track("ro-1", "at-1", body(make_span())) for _ in range(3)]
+    s.submit("ro-1", "at-1", body(make_span()))
+    assert await s.aclose(timeout=0.3) == 4
+    assert [f.result() for f in futures] == [False, False, False]
+    assert s.stats.lost == 4
+
+
+def test_a_refusal_on_the_stream_is_the_same_typed_error_as_a_call_would_raise() -> None:
+    full = pb.AddSpansStreamResponse(
+        batch_id=1, error=pb.BatchError(code=8, reason="STORE_MEMORY_FULL", message="full")
+    )
+    error = ack_error(full)
+    assert isinstance(error, ResourceExhaustedError) and error.transient
+    unknown = ack_error(
+        pb.AddSpansStreamResponse(batch_id=2, error=pb.BatchError(code=5, reason="ATTEMPT_NOT_FOUND"))
+    )
+    assert isinstance(unknown, NotFoundError) and not unknown.transient
+    assert ack_error(pb.AddSpansStreamResponse(batch_id=3, stored_count=1)) is None
+
+
+# ------------------------------------------------------------------ a real Store whose memory is full
+
+
+@pytest.mark.parametrize("path", ["streamer", "recorder", "recorder-in-process"])
+async def test_spans_refused_by_a_full_store_arrive_once_it_has_room(path: str) -> None:
+    """The same memory-full refusal is retried on every way spans take to the Store, then stored."""
+    running = await start_server(ServerConfig(port=0, max_memory_bytes=200_000))
+    target = f"127.0.0.1:{running.port}"
+    try:
+        async with StoreClient(target) as client:
+            keep = await client.start_rollout({"keep": True})
+            filler = await client.start_rollout({"filler": True})
+            assert keep.latest_attempt and filler.latest_attempt
+            with pytest.raises(ResourceExhaustedError):
+                for _ in range(60):
+                    ids = (filler.rollout_id, filler.latest_attempt.attempt_id)
+                    await client.add_spans([make_span(*ids, blob="z" * 900) for _ in range(20)])
+            span = make_span(keep.rollout_id, keep.latest_attempt.attempt_id, wanted=True, blob="w" * 40_000)
+            if path == "streamer":
+                streamer = SpanStreamer(target)
+                streamer.submit(span.rollout_id, span.attempt_id, body(span))
+                stats = streamer.stats
+            else:
+                store = (
+                    LocalStoreClient(running.store) if path == "recorder-in-process" else StoreClient(target)
+                )
+                recorder = SpanRecorder(store, max_backoff=0.1).start()
+                done = recorder.submit(span)
+                stats = recorder.shipper.stats
+            for _ in range(100):
+                if stats.retried:
+                    break
+                await asyncio.sleep(0.05)
+            assert stats.retried >= 1 and stats.rejected == 0  # refused for now, not given up
+            await client.complete_attempt(filler.rollout_id, filler.latest_attempt.attempt_id, "succeeded")
+            await client.delete_rollouts([filler.rollout_id])
+            if path == "streamer":
+                assert await streamer.aflush(timeout=20)
+                await asyncio.to_thread(streamer.close)
+            else:
+                assert await asyncio.wait_for(done, 20) is True
+                await recorder.close()
+                await store.close()
+            assert stats.rejected == 0 and stats.acknowledged == 1
+            [stored] = await client.query_spans(keep.rollout_id)
+            assert stored.attributes["wanted"] is True
+    finally:
+        await running.stop()
