@@ -211,7 +211,7 @@ def proxy_config(args: argparse.Namespace, host: str, port: int, store: Any = ""
 def run_proxy(args: argparse.Namespace) -> int:
     from lightning_grpc.client import ClientConfig
     from lightning_grpc.errors import InvalidArgumentError
-    from lightning_grpc.proxy import serve_proxy
+    from lightning_grpc.server.proxy_app import serve_proxy
 
     logs.configure_logging(args.log_level)
     store = ClientConfig(target=args.store, token=args.token or None)
@@ -237,7 +237,7 @@ def run_proxy(args: argparse.Namespace) -> int:
 def run_serve_with_proxy(args: argparse.Namespace, server_config: Any) -> int:
     """The end of ``run_serve`` when a proxy is hosted: store and proxy in one process."""
     from lightning_grpc.errors import InvalidArgumentError
-    from lightning_grpc.proxy import serve_with_store
+    from lightning_grpc.server.proxy_app import serve_with_store
 
     try:
         config = proxy_config(args, server_config.host, args.proxy_port)

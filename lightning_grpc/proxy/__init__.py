@@ -8,10 +8,11 @@ vLLM-dialect backends (vLLM, the embedded engine) are called directly and their 
 through; other OpenAI-compatible backends go through LiteLLM. LiteLLM is not used for the former
 because its vLLM streaming path drops ``prompt_token_ids`` from the chunks (see :mod:`.upstream`).
 
-The proxy's client lives with the other clients (:mod:`lightning_grpc.client.proxy`), its servicer
-with the other servicers (:mod:`lightning_grpc.server.proxy_servicer`); they are offered here too, and
-so are the servers that host the proxy (:mod:`.server`). Those modules import the proxy, so their
-names are loaded on first use rather than when this package is imported.
+The proxy's client lives with the other clients (:mod:`lightning_grpc.client.proxy`); its servicer
+(:mod:`lightning_grpc.server.proxy_servicer`) and the servers that host the proxy
+(:mod:`lightning_grpc.server.proxy_app`) live with the other servers. Their names are still offered
+here for existing callers, loaded on first use: those modules import the proxy, and the server layer
+sits above it, so new code imports them from where they live.
 """
 
 from __future__ import annotations
@@ -25,14 +26,6 @@ from .core import ProxyConfig, ProxyCore, ProxyStatus
 
 if TYPE_CHECKING:
     from lightning_grpc.client.proxy import ProxyClient
-    from lightning_grpc.server.proxy_servicer import (
-        PROXY_SERVICE,
-        ProxyServicer,
-        add_proxy_service,
-        service_hook,
-    )
-
-    from .server import RunningProxy, serve_proxy, serve_with_store, start_proxy_server, start_with_store
 
 _ELSEWHERE = {
     "ProxyClient": "lightning_grpc.client.proxy",
@@ -41,7 +34,7 @@ _ELSEWHERE = {
         for name in ("PROXY_SERVICE", "ProxyServicer", "add_proxy_service", "service_hook")
     },
     **{
-        name: "lightning_grpc.proxy.server"
+        name: "lightning_grpc.server.proxy_app"
         for name in (
             "RunningProxy",
             "serve_proxy",

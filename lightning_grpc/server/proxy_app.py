@@ -16,12 +16,12 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from lightning_grpc.client.local import LocalStoreClient
-from lightning_grpc.server.app import RunningServer, ServerConfig, listen, start_server
-from lightning_grpc.server.auth import BearerTokenInterceptor
-from lightning_grpc.server.proxy_servicer import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
+from lightning_grpc.proxy.app import LLMProxy
+from lightning_grpc.proxy.core import ProxyConfig
 
-from .app import LLMProxy
-from .core import ProxyConfig
+from .app import RunningServer, ServerConfig, listen, start_server
+from .auth import BearerTokenInterceptor
+from .proxy_servicer import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
 log = logging.getLogger("lightning_grpc.proxy")
 
