@@ -27,6 +27,7 @@ lint: $(STAMP)
 	$(BIN)/buf format --diff --exit-code
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -336,3 +336,63 @@ def copy_rollout(rollout: Rollout) -> Rollout:
     """A snapshot of a rollout whose later changes in the store do not show through."""
     latest = rollout.latest_attempt
     return dataclasses.replace(rollout, latest_attempt=dataclasses.replace(latest) if latest else None)
+
+
+# ------------------------------------------------------------------ the LLM proxy
+class BackendDialect(enum.IntEnum):
+    """How the proxy talks to a backend (numbers equal ``lightning.v1.BackendDialect``)."""
+
+    UNSPECIFIED = 0
+    #: vLLM's OpenAI server or the embedded engine: passed through directly, token ids requested.
+    VLLM = 1
+    #: Any other OpenAI-compatible server or hosted provider: through LiteLLM, no token ids.
+    OPENAI = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> BackendDialect:
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"{text!r} is not a backend dialect (vllm or openai)") from None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One model server. ``api_base`` is the URL under which ``/chat/completions`` lives (``/v1`` is
+    added to a bare ``http://host:port``)."""
+
+    model_name: str
+    api_base: str
+    dialect: BackendDialect = BackendDialect.VLLM
+    backend_model: str = ""
+    api_key: str = field(default="", repr=False)
+    policy_version: int = 0
+
+    @property
+    def target_model(self) -> str:
+        """The model name sent to the backend."""
+        return self.backend_model or self.model_name
+
+
+@dataclass
+class BackendStats:
+    calls: int = 0
+    errors: int = 0
+    in_flight: int = 0
+
+
+@dataclass
+class ProxyStatus:
+    paused: bool
+    pause_reason: str
+    in_flight: int
+    total_calls: int
+    total_errors: int
+    refused_calls: int
+    backends: dict[str, BackendStats]
+    http_address: str
+    spans_stored: int
+    spans_dropped: int

@@ -28,20 +28,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from lightning_grpc import semconv
-from lightning_grpc.client import StoreClient
+from lightning_grpc.client import ProxyClient, StoreClient
 from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from lightning_grpc.proxy import (
-    PROXY_SERVICE,
-    Backend,
-    BackendDialect,
-    LLMProxy,
-    ProxyClient,
-    ProxyConfig,
-    RunningProxy,
-    start_proxy_server,
-)
+from lightning_grpc.proxy import Backend, BackendDialect, LLMProxy, ProxyConfig
 from lightning_grpc.proxy.recorder import SpanRecorder
 from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
+from lightning_grpc.server.proxy_app import RunningProxy, start_proxy_server
+from lightning_grpc.server.proxy_servicer import PROXY_SERVICE
 from lightning_grpc.types import RolloutConfig, Span
 from lightning_grpc.v1 import proxy_service_pb2 as ppb
 from lightning_grpc.v1 import proxy_service_pb2_grpc as ppb_grpc

@@ -9,9 +9,7 @@ import grpc
 
 from lightning_grpc import convert
 from lightning_grpc.convert.proxy import backend_from_pb, backend_to_pb
-from lightning_grpc.proxy.backends import Backend, BackendStats
-from lightning_grpc.proxy.core import ProxyStatus
-from lightning_grpc.types import LLM
+from lightning_grpc.types import LLM, Backend, BackendStats, ProxyStatus
 from lightning_grpc.v1 import proxy_service_pb2 as pb
 from lightning_grpc.v1 import proxy_service_pb2_grpc as pb_grpc
 

@@ -6,7 +6,7 @@ the proxy package imports the client, which imports ``convert``.
 
 from __future__ import annotations
 
-from lightning_grpc.proxy.backends import Backend, BackendDialect
+from lightning_grpc.types import Backend, BackendDialect
 from lightning_grpc.v1 import proxy_service_pb2 as pb
 
 

@@ -8,58 +8,15 @@ rollout go to the backend with the fewest calls in flight.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason
+from lightning_grpc.types import Backend, BackendDialect, BackendStats
 
-
-class BackendDialect(enum.IntEnum):
-    """How the proxy talks to a backend (numbers equal ``lightning.v1.BackendDialect``)."""
-
-    UNSPECIFIED = 0
-    #: vLLM's OpenAI server or the embedded engine: passed through directly, token ids requested.
-    VLLM = 1
-    #: Any other OpenAI-compatible server or hosted provider: through LiteLLM, no token ids.
-    OPENAI = 2
-
-    def __str__(self) -> str:
-        return self.name.lower()
-
-    @classmethod
-    def parse(cls, text: str) -> BackendDialect:
-        try:
-            return cls[text.strip().upper()]
-        except KeyError:
-            raise ValueError(f"{text!r} is not a backend dialect (vllm or openai)") from None
-
-
-@dataclass(frozen=True)
-class Backend:
-    """One model server. ``api_base`` is the URL under which ``/chat/completions`` lives (``/v1`` is
-    added to a bare ``http://host:port``)."""
-
-    model_name: str
-    api_base: str
-    dialect: BackendDialect = BackendDialect.VLLM
-    backend_model: str = ""
-    api_key: str = field(default="", repr=False)
-    policy_version: int = 0
-
-    @property
-    def target_model(self) -> str:
-        """The model name sent to the backend."""
-        return self.backend_model or self.model_name
-
-
-@dataclass
-class BackendStats:
-    calls: int = 0
-    errors: int = 0
-    in_flight: int = 0
+__all__ = ["Backend", "BackendDialect", "BackendStats", "BackendTable", "check_backend", "normalize_api_base"]
 
 
 def normalize_api_base(url: str) -> str:

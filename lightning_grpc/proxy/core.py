@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, Reason
-from lightning_grpc.types import LLM, Attempt, ProxyLLM
+from lightning_grpc.types import LLM, Attempt, ProxyLLM, ProxyStatus
 
 from .attempts import AttemptGate
-from .backends import Backend, BackendDialect, BackendStats, BackendTable
+from .backends import Backend, BackendDialect, BackendTable
 from .litellm_client import LiteLLMClient
 from .recorder import SpanRecorder
 from .upstream import DirectClient, RetryPolicy
@@ -48,20 +48,6 @@ class ProxyConfig:
     heartbeat_interval: float = 10.0
     #: Calls without /rollout/{id}/attempt/{id}: "forward" (not recorded) or "refuse".
     unattributed: str = "forward"
-
-
-@dataclass
-class ProxyStatus:
-    paused: bool
-    pause_reason: str
-    in_flight: int
-    total_calls: int
-    total_errors: int
-    refused_calls: int
-    backends: dict[str, BackendStats]
-    http_address: str
-    spans_stored: int
-    spans_dropped: int
 
 
 class ProxyCore:
