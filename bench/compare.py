@@ -1,12 +1,12 @@
-"""Before and after a change, in the same session: the benchmarks of an earlier revision and of the
-working tree, run turn about, side by side.
+"""Before and after a change, in the same session: the benchmarks of two revisions, run turn about,
+side by side.
 
-    python bench/compare.py c2b4d38              # --quick profile, two rounds
-    python bench/compare.py main~5 --rounds 3 --profile full
+    python bench/compare.py c2b4d38              # against HEAD; --quick profile, two rounds
+    python bench/compare.py main~5 --after main --rounds 3 --profile full
 
-The earlier revision is exported with ``git archive`` into a temporary folder and run from there with
-this interpreter (its dependencies are assumed unchanged); the Agent Lightning peer's environment
-(``bench/.venv-agl``) is shared. Rounds alternate before/after so that a slow spell of the machine
+Both revisions are exported with ``git archive`` into a temporary folder (so edits made meanwhile
+change nothing) and run from there with this interpreter (their dependencies are assumed the same);
+the Agent Lightning peer's environment (``bench/.venv-agl``) is shared. Rounds alternate before/after so that a slow spell of the machine
 falls on both. Every figure is the median over rounds; ratios are after ÷ before, so above 1 is better
 for a rate and worse for a latency.
 """
@@ -68,6 +68,7 @@ def figures(report: dict[str, Any]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revision", help="the earlier revision (a commit, tag or branch)")
+    parser.add_argument("--after", default="HEAD", help="the later revision (default: HEAD)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", choices=("quick", "full", "smoke"), default="quick")
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "compare.md")
@@ -75,14 +76,19 @@ def main() -> None:
     before: list[dict[str, float]] = []
     after: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
+        (Path(tmp) / "before").mkdir()
+        (Path(tmp) / "after").mkdir()
         base = export(args.revision, Path(tmp) / "before")
+        head = export(args.after, Path(tmp) / "after")
         for i in range(args.rounds):
             before.append(figures(run_benchmarks(base, args.profile, Path(tmp) / f"before-{i}")))
-            after.append(figures(run_benchmarks(ROOT, args.profile, Path(tmp) / f"after-{i}")))
+            after.append(figures(run_benchmarks(head, args.profile, Path(tmp) / f"after-{i}")))
     names = sorted(set().union(*before) & set().union(*after))
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    revs = subprocess.run(
+        ["git", "rev-parse", "--short", args.revision, args.after], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     lines = [
-        f"Before: {args.revision}; after: the working tree at {head.stdout.strip()}; profile {args.profile}, "
+        f"Before: {args.revision} ({revs[0]}); after: {args.after} ({revs[-1]}); profile {args.profile}, "
         f"{args.rounds} round(s) each, turn about; medians.",
         "",
         "| figure | before | after | after ÷ before |",
