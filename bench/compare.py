@@ -27,6 +27,11 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 
 
+def short(revision: str) -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", revision], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or revision
+
+
 def export(revision: str, into: Path) -> Path:
     """The tree of ``revision`` in ``into``, with the peer's environment linked in."""
     archive = subprocess.run(["git", "archive", revision], cwd=ROOT, capture_output=True, check=True).stdout
@@ -83,10 +88,9 @@ def main() -> None:
         for i in range(args.rounds):
             before.append(figures(run_benchmarks(base, args.profile, Path(tmp) / f"before-{i}")))
             after.append(figures(run_benchmarks(head, args.profile, Path(tmp) / f"after-{i}")))
+            args.out.with_suffix(".json").write_text(json.dumps({"before": before, "after": after}, indent=1))
     names = sorted(set().union(*before) & set().union(*after))
-    revs = subprocess.run(
-        ["git", "rev-parse", "--short", args.revision, args.after], cwd=ROOT, capture_output=True, text=True
-    ).stdout.split()
+    revs = [short(args.revision), short(args.after)]
     lines = [
         f"Before: {args.revision} ({revs[0]}); after: {args.after} ({revs[-1]}); profile {args.profile}, "
         f"{args.rounds} round(s) each, turn about; medians.",

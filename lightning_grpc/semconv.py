@@ -12,6 +12,7 @@ gRPC metadata of an OTLP export (:data:`ROLLOUT_ID_HEADER`, :data:`ATTEMPT_ID_HE
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -22,6 +23,8 @@ PREFIX = "lightning"
 # ------------------------------------------------------------------ attribution
 ROLLOUT_ID = "lightning.rollout_id"
 ATTEMPT_ID = "lightning.attempt_id"
+#: Attempt metadata key: the agent's exception ({"type", "message", "traceback"}) of a FAILED attempt.
+ATTEMPT_ERROR = "error"
 SPAN_SEQUENCE_ID = "lightning.span_sequence_id"
 ROLLOUT_ID_HEADER = "x-lightning-rollout-id"
 ATTEMPT_ID_HEADER = "x-lightning-attempt-id"
@@ -36,6 +39,9 @@ SPAN_OBJECT = "lightning.object"
 SPAN_EXCEPTION = "lightning.exception"
 SPAN_ANNOTATION = "lightning.annotation"
 SPAN_OPERATION = "lightning.operation"
+#: The root span of one attempt: every span the agent makes is under it, in the rollout's trace.
+SPAN_ROLLOUT = "lightning.rollout"
+ATTEMPT_SEQUENCE_NUMBER = "lightning.attempt.sequence_number"
 #: The span the proxy writes for each LLM call.
 SPAN_LLM_CALL = "lightning.llm.call"
 
@@ -126,6 +132,11 @@ def _finite(value: Any, what: str) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{what} must be finite (got {number})")
     return number
+
+
+def rollout_trace_id(rollout_id: str) -> int:
+    """The trace id of a rollout's spans, the same for each of its attempts (128 bits, never 0)."""
+    return int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:16], "big") or 1
 
 
 def read_reward(attributes: Mapping[str, Any]) -> dict[str, float] | None:

@@ -101,14 +101,15 @@ def test_demo_prints_the_winners_trace_with_the_score_operation_and_the_reward(
     done, _ = demo_run
     winner = favoured_candidate()
     header, *spans = lines(done.stdout, "trace")
-    found = re.fullmatch(r"ro-\S+ \((\S+), task (\S+)\), latest attempt, 2 spans:", header)
+    found = re.fullmatch(r"ro-\S+ \((\S+), task (\S+)\), latest attempt, 3 spans:", header)
     assert found is not None, header
     assert found.group(1) == winner
     reward = expected_score(winner, found.group(2))
     assert reward == max(expected_score(winner, t["task_id"]) for t in demo.TASKS)  # its best rollout
-    assert spans == [
-        f"  {semconv.SPAN_OPERATION} name=score output={reward}",
-        f"  {semconv.SPAN_REWARD} primary={reward}",
+    assert spans == [  # one trace: the attempt's root span, and the agent's spans under it
+        f"  {semconv.SPAN_ROLLOUT}",
+        f"    {semconv.SPAN_OPERATION} name=score output={reward}",
+        f"    {semconv.SPAN_REWARD} primary={reward}",
     ]
 
 
@@ -128,8 +129,9 @@ async def test_the_agent_traces_its_score_as_an_operation_and_returns_the_reward
     assert outcome.error is None and outcome.result == expected
     assert outcome.rollout.status == RolloutStatus.SUCCEEDED
     spans = await client.query_spans(outcome.rollout.rollout_id, "latest")
-    assert [s.name for s in spans] == [semconv.SPAN_OPERATION, semconv.SPAN_REWARD]
-    op, reward = spans
+    assert [s.name for s in spans] == [semconv.SPAN_OPERATION, semconv.SPAN_REWARD, semconv.SPAN_ROLLOUT]
+    op, reward, root = spans
+    assert op.parent_span_id == reward.parent_span_id == root.span_id and not root.parent_span_id
     assert op.attributes[semconv.OPERATION_NAME] == "score"
     assert op.attributes[f"{semconv.OPERATION_INPUT}.prompt"] == prompt
     assert op.attributes[f"{semconv.OPERATION_INPUT}.task.task_id"] == task["task_id"]

@@ -109,8 +109,13 @@ def test_every_rollout_of_the_example_holds_the_score_operation_and_its_reward(
             candidate, task_id = r.metadata["candidate"], r.input["task_id"]
             trials.add((candidate, task_id))
             spans = client.query_spans(r.rollout_id, "latest")
-            assert [s.name for s in spans] == [semconv.SPAN_OPERATION, semconv.SPAN_REWARD]
-            op, reward = spans
+            assert [s.name for s in spans] == [
+                semconv.SPAN_OPERATION,
+                semconv.SPAN_REWARD,
+                semconv.SPAN_ROLLOUT,
+            ]
+            op, reward, root = spans
+            assert op.parent_span_id == reward.parent_span_id == root.span_id
             expected = expected_score(candidate, task_id)
             assert op.attributes[semconv.OPERATION_NAME] == "score"
             assert op.attributes[semconv.OPERATION_OUTPUT] == expected

@@ -283,7 +283,7 @@ def test_the_walkthrough_plays_every_rollout_through_the_proxy(
     assert len(rows) == 8
     assert all(row[1] == "succeeded" and row[2] in ("0", "1") for row in rows), rollouts
     names = [line.split()[2] for line in spans.splitlines()]
-    assert names == ["lightning.llm.call", "lightning.operation", "lightning.reward"]
+    assert names == ["lightning.llm.call", "lightning.operation", "lightning.reward", "lightning.rollout"]
     assert "lightning.operation.name=grade" in spans
 
 

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,11 +92,13 @@ async def test_200_concurrent_rollouts_keep_every_span_in_its_own_attempt(
         (step,) = named["agent.step"]
         (http,) = named["GET"]  # made by the httpx instrumentation inside the agent
         (reward,) = named[semconv.SPAN_REWARD]
+        (root,) = named[semconv.SPAN_ROLLOUT]
+        assert step.parent_span_id == root.span_id and step.trace_id == root.trace_id
         assert step.attributes["task.rollout"] == r.rollout_id
         assert r.rollout_id in str(http.attributes.get("url.full") or http.attributes.get("http.url"))
         assert http.parent_span_id == step.span_id
         assert semconv.read_primary_reward(reward.attributes) == r.input["i"] / 1000
-    assert total == 200 * 3  # nothing landed in another attempt
+    assert total == 200 * 4  # nothing landed in another attempt
 
 
 async def test_a_killed_runner_leaves_unresponsive_attempts_that_another_runner_retries(
@@ -548,3 +551,78 @@ async def test_a_runner_gives_up_at_start_up_when_its_store_cannot_be_reached() 
     with pytest.raises(UnavailableError, match=r"cannot reach the store at 127\.0\.0\.1:1 within 0\.5 s"):
         await runner.run()
     assert time.monotonic() - started < 10
+
+
+async def test_an_agents_exception_is_stored_on_its_attempt_logged_once_and_counted_as_failed(
+    server: RunningServer, client: StoreClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    def parse_answer(text: str) -> int:
+        return int(text)
+
+    @rollout
+    def shaky(task: Any) -> float:
+        if task["i"] % 2:
+            return float(parse_answer("not a number"))
+        return 1.0
+
+    for i in range(4):
+        await client.enqueue_rollout({"i": i})
+    runner = Runner(shaky, f"127.0.0.1:{server.port}", concurrency=2, max_rollouts=4, poll_wait=0.2)
+    with caplog.at_level("WARNING", logger="lightning_grpc.runner"):
+        assert await runner.run() == 4
+    assert (runner.succeeded, runner.failed, runner.stopped) == (2, 2, 0)
+    failures = [r for r in caplog.records if "event=agent_failed" in r.getMessage()]
+    assert len(failures) == 2 and all(r.exc_info for r in failures)  # once per failure, with its traceback
+    failed = [r for r in (await client.list_rollouts()).items if str(r.status) == "failed"]
+    assert len(failed) == 2
+    (attempt,) = await client.query_attempts(failed[0].rollout_id)
+    error = attempt.metadata[semconv.ATTEMPT_ERROR]
+    assert error["type"] == "builtins.ValueError"
+    assert error["message"] == "invalid literal for int() with base 10: 'not a number'"
+    assert "in parse_answer" in error["traceback"] and error["traceback"].rstrip().endswith(error["message"])
+    assert attempt.status_message == f"ValueError: {error['message']}"
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "lightning_grpc.cli.main",
+            "rollout",
+            failed[0].rollout_id,
+            "--store",
+            f"127.0.0.1:{server.port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "error of attempt 1: builtins.ValueError: invalid literal" in shown.stdout
+    assert "in parse_answer" in shown.stdout
+
+
+async def test_one_rollout_is_one_trace_under_one_root_span_per_attempt(
+    server: RunningServer, client: StoreClient
+) -> None:
+    @rollout
+    async def agent(task: Any, rollout: Any) -> None:
+        with operation("compute"):
+            pass
+        emit_reward(1.0)
+        if rollout.latest_attempt.sequence_number == 1:
+            raise RuntimeError("first try fails")
+
+    queued = await client.enqueue_rollout(
+        {"x": 1}, config=RolloutConfig(max_attempts=2, retry_on=(AttemptStatus.FAILED,))
+    )
+    runner = Runner(agent, f"127.0.0.1:{server.port}", max_rollouts=2, poll_wait=0.2)
+    assert await runner.run() == 2
+    spans = await client.query_spans(queued.rollout_id)
+    trace_id = f"{semconv.rollout_trace_id(queued.rollout_id):032x}"
+    assert {s.trace_id for s in spans} == {trace_id}  # both attempts, one trace
+    roots = {s.attempt_id: s for s in spans if s.name == semconv.SPAN_ROLLOUT}
+    assert len(roots) == 2 and all(not r.parent_span_id for r in roots.values())
+    for s in spans:
+        if s.name != semconv.SPAN_ROLLOUT:
+            assert s.parent_span_id == roots[s.attempt_id].span_id, s.name
+    first = min(roots.values(), key=lambda r: r.attributes[semconv.ATTEMPT_SEQUENCE_NUMBER])
+    assert first.status_code == 2 and "first try fails" in first.status_message

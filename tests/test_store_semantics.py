@@ -755,3 +755,30 @@ async def test_the_client_pages_every_list_with_its_total_and_limits_the_queries
     assert [w.worker_id for w in await client.query_workers(order_by="worker_id", limit=2)] == ["w1", "w2"]
     with pytest.raises(InvalidArgumentError, match="limit"):
         await client.query_workers(limit=-1)
+
+
+async def test_spans_list_newest_first_and_with_their_total(client: StoreClient) -> None:
+    rid, first = await claim(client, config=RolloutConfig(max_attempts=2, retry_on=(AttemptStatus.FAILED,)))
+    await client.add_spans(make_spans(3, name="a"), rollout_id=rid, attempt_id=first)
+    await client.complete_attempt(rid, first, "failed")
+    (again,) = await client.dequeue_rollouts(1, worker_id="w2")
+    second = again.latest_attempt.attempt_id
+    await client.add_spans(make_spans(4, name="b"), rollout_id=rid, attempt_id=second)
+
+    page = await client.list_spans(rid, descending=True, page_size=3)
+    assert page.total_size == 7
+    assert [(s.attempt_id, s.sequence_id) for s in page.items] == [(second, 4), (second, 3), (second, 2)]
+    seen = list(page.items)
+    while page.next_page_token:
+        page = await client.list_spans(rid, descending=True, page_size=3, page_token=page.next_page_token)
+        seen += page.items
+    assert [(s.attempt_id, s.sequence_id) for s in seen] == [(second, n) for n in (4, 3, 2, 1)] + [
+        (first, n) for n in (3, 2, 1)
+    ]
+    oldest = await client.list_spans(rid, page_size=2)
+    assert oldest.total_size == 7 and [s.sequence_id for s in oldest.items] == [1, 2]
+    assert (await client.list_spans(rid, first)).total_size == 3
+    assert (
+        await client.list_spans(rid, name="b", page_size=1)
+    ).total_size == 4  # a filter: counted by the backend
+    assert (await client.list_spans(rid, "latest", descending=True)).items[0].sequence_id == 4

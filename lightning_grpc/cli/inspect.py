@@ -194,6 +194,14 @@ async def show_rollout(client: StoreClient, args: argparse.Namespace) -> None:
     print()
     print("attempts:")
     print(_indent(format_table(ATTEMPT_HEADERS, (attempt_row(a) for a in attempts))))
+    failed = [a for a in attempts if isinstance(a.metadata.get(semconv.ATTEMPT_ERROR), dict)]
+    if failed:
+        error = failed[-1].metadata[semconv.ATTEMPT_ERROR]
+        print()
+        print(
+            f"error of attempt {failed[-1].sequence_number}: {error.get('type', '')}: {error.get('message', '')}"
+        )
+        print(_indent(str(error.get("traceback", "")).rstrip()))
 
 
 async def show_spans(client: StoreClient, args: argparse.Namespace) -> None:

@@ -426,6 +426,35 @@ class StoreClient:
         request = pb.ListSpansRequest(selector=selector, page_size=10_000)
         return await self._all_pages("ListSpans", request, "spans", convert.span_from_pb, limit)
 
+    async def list_spans(
+        self,
+        rollout_id: str,
+        attempt_id: str | None = None,
+        *,
+        trace_id: str = "",
+        span_id: str = "",
+        parent_span_id: str = "",
+        name: str = "",
+        name_contains: str = "",
+        descending: bool = False,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> t.Page:
+        """One page of a rollout's spans, oldest first (newest with ``descending``), with their total."""
+        selector = pb.SpanSelector(
+            rollout_id=rollout_id,
+            attempt_id=attempt_id or "",
+            trace_id=trace_id,
+            span_id=span_id,
+            parent_span_id=parent_span_id,
+            name=name,
+            name_contains=name_contains,
+        )
+        request = pb.ListSpansRequest(
+            selector=selector, order=_order(descending), page_size=page_size, page_token=page_token
+        )
+        return await self._page("ListSpans", request, "spans", convert.span_from_pb)
+
     async def tail_spans(
         self, rollout_id: str, attempt_id: str | None = None, *, follow: bool = False
     ) -> AsyncIterator[list[t.Span]]:

@@ -70,6 +70,7 @@ SPAN_SEQUENCE_ID = field_key(_SPAN, "sequence_id")
 #: ListSpansResponse and TailSpansResponse: ``repeated Span spans`` (the same key in both).
 SPANS_RESPONSE_SPANS = field_key(store_pb.ListSpansResponse.DESCRIPTOR, "spans")
 LIST_SPANS_NEXT_PAGE_TOKEN = field_key(store_pb.ListSpansResponse.DESCRIPTOR, "next_page_token")
+LIST_SPANS_TOTAL_SIZE = field_key(store_pb.ListSpansResponse.DESCRIPTOR, "total_size")
 #: AddSpansStreamRequest: ``repeated Span spans``.
 STREAM_REQUEST_SPANS = field_key(store_pb.AddSpansStreamRequest.DESCRIPTOR, "spans")
 
@@ -91,14 +92,19 @@ def stored_span(body: bytes, rollout_id: str, attempt_id: str, sequence_id: int)
     )
 
 
-def spans_message(records: Any, next_page_token: str = "") -> bytes:
-    """A serialized ListSpansResponse / TailSpansResponse of stored spans (``records``: SpanRecords)."""
+def spans_message(records: Any, next_page_token: str = "", total_size: int = 0) -> bytes:
+    """A serialized ListSpansResponse / TailSpansResponse of stored spans (``records``: SpanRecords).
+
+    ``total_size`` is ListSpansResponse's (leave it 0 for TailSpansResponse, which has no such field).
+    """
     parts = [
         delimited(SPANS_RESPONSE_SPANS, stored_span(r.body, r.rollout_id, r.attempt_id, r.sequence_id))
         for r in records
     ]
     if next_page_token:
         parts.append(delimited(LIST_SPANS_NEXT_PAGE_TOKEN, next_page_token.encode()))
+    if total_size:
+        parts.append(LIST_SPANS_TOTAL_SIZE + varint(total_size))
     return b"".join(parts)
 
 

@@ -286,8 +286,10 @@ async def print_trace(client: StoreClient, found: SearchResult) -> None:
     spans = await client.query_spans(top.rollout.rollout_id, "latest")
     task = top.rollout.input.get("task_id", "?")
     say("trace", f"{top.rollout.rollout_id} ({best.name}, task {task}), latest attempt, {len(spans)} spans:")
-    for span in spans:
-        say("trace", "  " + describe_span(span))
+    depth = {s.span_id: 0 for s in spans if not s.parent_span_id}  # the attempt's root span first
+    for span in sorted(spans, key=lambda s: (s.parent_span_id != "", s.sequence_id)):
+        depth[span.span_id] = depth.get(span.parent_span_id, -1) + 1
+        say("trace", "  " * (depth[span.span_id] + 1) + describe_span(span))
 
 
 async def search_and_report(store: str | ClientConfig, timeout: float) -> bool:

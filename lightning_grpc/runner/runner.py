@@ -12,12 +12,16 @@ import signal
 import socket
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.trace import Status, StatusCode
+
+from lightning_grpc import semconv
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.errors import FailedPreconditionError, LightningError, NotFoundError
 from lightning_grpc.tracing import (
@@ -27,6 +31,7 @@ from lightning_grpc.tracing import (
     attempt_context,
     emit_reward,
     install_tracing,
+    rollout_span,
 )
 from lightning_grpc.types import Resource, Rollout, RolloutMode
 
@@ -93,6 +98,10 @@ class Runner:
         #: At start-up, how long to wait for the store before giving up (later, it reconnects for ever).
         self.connect_timeout = connect_timeout
         self.completed = 0
+        #: Of the completed rollouts: how many the agent finished, failed (an exception), or stopped.
+        self.succeeded = 0
+        self.failed = 0
+        self.stopped = 0
         self._stop = asyncio.Event() if _loop_running() else None
         self._active: dict[str, asyncio.Task[RolloutOutcome]] = {}
         self._outcomes: asyncio.Queue[RolloutOutcome] | None = None
@@ -155,7 +164,14 @@ class Runner:
         if self._client is not None:
             await self._client.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        log.info("event=runner_stopped worker_id=%s completed=%d", self.worker_id, self.completed)
+        log.info(
+            "event=runner_stopped worker_id=%s completed=%d succeeded=%d failed=%d stopped=%d",
+            self.worker_id,
+            self.completed,
+            self.succeeded,
+            self.failed,
+            self.stopped,
+        )
 
     # ---------------------------------------------------------------- loop mode
     async def run(self) -> int:
@@ -251,7 +267,10 @@ class Runner:
         heartbeat: asyncio.Task[None] | None = None
         if self._processor is not None and self._streamer is not None:
             self._processor.route(ctx.attempt_id, self._streamer)
-        with attempt_context(ctx):
+        with (
+            attempt_context(ctx),
+            rollout_span(r.rollout_id, attempt.attempt_id, attempt.sequence_number) as root,
+        ):
             await self._call_hooks("on_trace_start", r)
             if error is None:
                 agent_task = asyncio.create_task(self._invoke(r, resources))
@@ -270,6 +289,8 @@ class Runner:
                         _record_result(result)
                     except (TypeError, ValueError) as exc:
                         error = exc
+            if error is not None:
+                root.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:1000]))
             await self._call_hooks("on_trace_end", r)
         if self._streamer is not None:
             stored = await self._streamer.aflush(r.rollout_id, attempt.attempt_id, timeout=30)
@@ -283,6 +304,12 @@ class Runner:
         outcome = RolloutOutcome(final, result, error, ctx.stop.is_set())
         await self._call_hooks("on_rollout_end", final, result, error)
         self.completed += 1
+        if ctx.stop.is_set():
+            self.stopped += 1
+        elif error is None:
+            self.succeeded += 1
+        else:
+            self.failed += 1
         if self._outcomes is not None:
             self._outcomes.put_nowait(outcome)
         return outcome
@@ -336,7 +363,16 @@ class Runner:
                 _, final = await self.client.complete_attempt(r.rollout_id, attempt_id, "succeeded")
             else:
                 message = f"{type(error).__name__}: {error}"[:4000]
-                _, final = await self.client.complete_attempt(r.rollout_id, attempt_id, "failed", message)
+                log.warning(
+                    "event=agent_failed rollout_id=%s attempt_id=%s error=%s",
+                    r.rollout_id,
+                    attempt_id,
+                    message,
+                    exc_info=error,
+                )
+                _, final = await self.client.complete_attempt(
+                    r.rollout_id, attempt_id, "failed", message, {semconv.ATTEMPT_ERROR: error_record(error)}
+                )
             return final
         except (FailedPreconditionError, NotFoundError) as exc:
             log.info(
@@ -446,9 +482,24 @@ def run_forever(runner: Runner, stopped: threading.Event | None = None) -> int:
     started = time.monotonic()
     count = asyncio.run(main())
     log.info(
-        "event=runner_exit worker_id=%s completed=%d seconds=%.1f",
+        "event=runner_exit worker_id=%s completed=%d succeeded=%d failed=%d stopped=%d seconds=%.1f",
         runner.worker_id,
         count,
+        runner.succeeded,
+        runner.failed,
+        runner.stopped,
         time.monotonic() - started,
     )
     return count
+
+
+def error_record(error: BaseException, limit: int = 8000) -> dict[str, str]:
+    """What an attempt keeps of its agent's exception: type, message, and the traceback's last lines."""
+    text = "".join(traceback.format_exception(error))
+    if len(text) > limit:
+        text = "…" + text[-(limit - 1) :]
+    return {
+        "type": f"{type(error).__module__}.{type(error).__qualname__}",
+        "message": str(error)[:2000],
+        "traceback": text,
+    }

@@ -283,9 +283,12 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def ListSpans(self, request: pb.ListSpansRequest, context: Ctx) -> bytes:  # type: ignore[override]
         """Answers a serialized ListSpansResponse built from the stored span bytes."""
         page = await self.store.list_spans(
-            _selection(request.selector), request.page_size, request.page_token
+            _selection(request.selector),
+            request.page_size,
+            request.page_token,
+            descending=_descending(request.order),
         )
-        return wire.spans_message(page.items, page.next_page_token)
+        return wire.spans_message(page.items, page.next_page_token, page.total_size)
 
     @streaming
     async def TailSpans(self, request: pb.TailSpansRequest, context: Ctx) -> AsyncIterator[bytes]:  # type: ignore[override]

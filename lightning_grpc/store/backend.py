@@ -29,6 +29,13 @@ class SpanQuery:
     name: str = ""
     name_contains: str = ""
     limit: int = 1000
+    #: Newest first: spans strictly before ``after`` (which then starts at the end).
+    descending: bool = False
+
+    @property
+    def filtered(self) -> bool:
+        """Whether anything but the rollout and attempt narrows the spans."""
+        return bool(self.trace_id or self.span_id or self.parent_span_id or self.name or self.name_contains)
 
     def matches(self, r: SpanRecord) -> bool:
         return (
@@ -50,6 +57,10 @@ class Backend(Protocol):
     def submit(self, tx: Txn) -> asyncio.Future[None] | None: ...
 
     async def query_spans(self, query: SpanQuery) -> list[SpanRecord]: ...
+
+    async def count_spans(self, query: SpanQuery) -> int:
+        """How many spans ``query`` matches, ignoring its position and limit."""
+        ...
 
     def load_span_ids(self, rollout_id: str, attempt_no: int) -> dict[str, int]: ...
 
@@ -99,18 +110,33 @@ class MemoryBackend:
         per_attempt = self._spans.get(query.rollout_id, {})
         numbers = [query.attempt_no] if query.attempt_no else sorted(per_attempt)
         out: list[SpanRecord] = []
-        after_no, after_seq = query.after
+        after = query.after
+        if query.descending:
+            for no in reversed(numbers):
+                if no > after[0]:
+                    continue
+                for rec in reversed(self._bucket(query.rollout_id, no)):
+                    if (no, rec.sequence_id) < after and query.matches(rec):
+                        out.append(rec)
+                        if len(out) >= query.limit:
+                            return out
+            return out
         for no in numbers:
-            if no < after_no:
+            if no < after[0]:
                 continue
             for rec in self._bucket(query.rollout_id, no):
-                if no == after_no and rec.sequence_id <= after_seq:
+                if no == after[0] and rec.sequence_id <= after[1]:
                     continue
                 if query.matches(rec):
                     out.append(rec)
                     if len(out) >= query.limit:
                         return out
         return out
+
+    async def count_spans(self, query: SpanQuery) -> int:
+        per_attempt = self._spans.get(query.rollout_id, {})
+        numbers = [query.attempt_no] if query.attempt_no else list(per_attempt)
+        return sum(1 for no in numbers for rec in self._bucket(query.rollout_id, no) if query.matches(rec))
 
     def load_span_ids(self, rollout_id: str, attempt_no: int) -> dict[str, int]:
         return {r.span_id: r.sequence_id for r in self._spans.get(rollout_id, {}).get(attempt_no, [])}

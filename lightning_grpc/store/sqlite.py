@@ -334,8 +334,38 @@ class SqliteBackend:
         return await loop.run_in_executor(self._readers, self._query_spans, query)
 
     def _query_spans(self, q: SpanQuery) -> list[SpanRecord]:
-        where = ["rollout_id = ?", "(attempt_no, sequence_id) > (?, ?)"]
-        params: list[Any] = [q.rollout_id, q.after[0], q.after[1]]
+        where, params = self._span_filters(q)
+        where.append(
+            "(attempt_no, sequence_id) < (?, ?)" if q.descending else "(attempt_no, sequence_id) > (?, ?)"
+        )
+        params += [q.after[0], q.after[1]]
+        direction = " DESC" if q.descending else ""
+        sql = (
+            "SELECT rollout_id, attempt_id, span_id, trace_id, parent_span_id, name, start_ns, end_ns, body,"
+            " sequence_id, attempt_no FROM spans WHERE "
+            + " AND ".join(where)
+            + f" ORDER BY attempt_no{direction}, sequence_id{direction} LIMIT ?"
+        )
+        params.append(q.limit)
+        return [SpanRecord(*row) for row in self._reader().execute(sql, params)]
+
+    async def count_spans(self, query: SpanQuery) -> int:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._readers, self._count_spans, query)
+
+    def _count_spans(self, q: SpanQuery) -> int:
+        where, params = self._span_filters(q)
+        row = (
+            self._reader()
+            .execute("SELECT COUNT(*) FROM spans WHERE " + " AND ".join(where), params)
+            .fetchone()
+        )
+        return int(row[0])
+
+    @staticmethod
+    def _span_filters(q: SpanQuery) -> tuple[list[str], list[Any]]:
+        where = ["rollout_id = ?"]
+        params: list[Any] = [q.rollout_id]
         if q.attempt_no:
             where.append("attempt_no = ?")
             params.append(q.attempt_no)
@@ -351,14 +381,7 @@ class SqliteBackend:
         if q.name_contains:
             where.append("instr(name, ?) > 0")
             params.append(q.name_contains)
-        sql = (
-            "SELECT rollout_id, attempt_id, span_id, trace_id, parent_span_id, name, start_ns, end_ns, body,"
-            " sequence_id, attempt_no FROM spans WHERE "
-            + " AND ".join(where)
-            + " ORDER BY attempt_no, sequence_id LIMIT ?"
-        )
-        params.append(q.limit)
-        return [SpanRecord(*row) for row in self._reader().execute(sql, params)]
+        return where, params
 
     def storage_bytes(self) -> int:
         """The database file and its write-ahead log and shared-memory files, as they are now."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
 from lightning_grpc.client.config import ClientConfig
 from lightning_grpc.client.spans import SpanStreamer
 
-from .context import AttemptContext, attempt_context, current_attempt, should_stop
+from .context import AttemptContext, RolloutTraceIds, attempt_context, current_attempt, should_stop
 from .emitters import (
     emit_annotation,
     emit_exception,
@@ -17,6 +18,7 @@ from .emitters import (
     emit_object,
     emit_reward,
     operation,
+    rollout_span,
 )
 from .processor import LightningSpanProcessor, span_to_message
 
@@ -42,11 +44,15 @@ def install_tracing(
         provider = trace.get_tracer_provider()
         if not isinstance(provider, TracerProvider):
             trace.set_tracer_provider(
-                TracerProvider(resource=Resource.create({"service.name": service_name}))
+                TracerProvider(
+                    resource=Resource.create({"service.name": service_name}), id_generator=RolloutTraceIds()
+                )
             )
             provider = trace.get_tracer_provider()
         if not isinstance(provider, TracerProvider):
             raise RuntimeError("a tracer provider that is not the OpenTelemetry SDK's is installed globally")
+        if type(provider.id_generator) is RandomIdGenerator:  # the SDK's default: rollouts get their trace id
+            provider.id_generator = RolloutTraceIds()
         provider.add_span_processor(_processor)
     if target is not None:
         _processor.streamer_for(target, token)
@@ -56,6 +62,7 @@ def install_tracing(
 __all__ = [
     "AttemptContext",
     "LightningSpanProcessor",
+    "RolloutTraceIds",
     "SpanStreamer",
     "attempt_context",
     "current_attempt",
@@ -66,6 +73,7 @@ __all__ = [
     "emit_reward",
     "install_tracing",
     "operation",
+    "rollout_span",
     "should_stop",
     "span_to_message",
 ]

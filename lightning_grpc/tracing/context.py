@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
 
 @dataclass(frozen=True)
 class AttemptContext:
@@ -24,6 +26,29 @@ class AttemptContext:
 _current: contextvars.ContextVar[AttemptContext | None] = contextvars.ContextVar(
     "lightning_attempt", default=None
 )
+
+
+#: The trace id the next root span takes (a rollout's), read by :class:`RolloutTraceIds`.
+_root_trace_id: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "lightning_root_trace_id", default=None
+)
+
+
+class RolloutTraceIds(RandomIdGenerator):
+    """Span ids at random; the root span of an attempt takes its rollout's trace id."""
+
+    def generate_trace_id(self) -> int:
+        return _root_trace_id.get() or super().generate_trace_id()
+
+
+@contextmanager
+def root_trace_id(trace_id: int) -> Iterator[None]:
+    """Root spans started inside take ``trace_id`` (when the provider uses :class:`RolloutTraceIds`)."""
+    token = _root_trace_id.set(trace_id)
+    try:
+        yield
+    finally:
+        _root_trace_id.reset(token)
 
 
 def current_attempt() -> AttemptContext | None:

@@ -18,6 +18,8 @@ from opentelemetry.trace import Status, StatusCode
 
 from lightning_grpc import semconv
 
+from .context import root_trace_id
+
 F = TypeVar("F", bound=Callable[..., Any])
 _TRACER_NAME = "lightning_grpc"
 
@@ -30,6 +32,24 @@ def _emit(name: str, attributes: Mapping[str, Any], ok: bool = True) -> None:
     with _tracer().start_as_current_span(name, attributes=dict(attributes)) as span:
         if ok:
             span.set_status(Status(StatusCode.OK))
+
+
+@contextmanager
+def rollout_span(rollout_id: str, attempt_id: str, sequence_number: int) -> Iterator[trace.Span]:
+    """The root span of one attempt, current while the agent runs: one rollout is one trace.
+
+    Every span the agent makes (operations, rewards, instrumented libraries) is under it, and every
+    attempt of the rollout takes the rollout's trace id (:func:`semconv.rollout_trace_id`).
+    """
+    attributes: dict[str, str | int] = {
+        semconv.ROLLOUT_ID: rollout_id,
+        semconv.ATTEMPT_ID: attempt_id,
+        semconv.ATTEMPT_SEQUENCE_NUMBER: sequence_number,
+    }
+    with root_trace_id(semconv.rollout_trace_id(rollout_id)):
+        span = _tracer().start_span(semconv.SPAN_ROLLOUT, attributes=attributes)
+    with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
+        yield span
 
 
 def emit_reward(

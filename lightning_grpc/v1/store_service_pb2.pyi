@@ -1042,9 +1042,12 @@ class ListSpansRequest(_message.Message):
     SELECTOR_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    ORDER_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """0 means 1000; at most 10000."""
     page_token: _builtins.str
+    order: _common_pb2.SortOrder.ValueType
+    """By attempt, then sequence id: ascending (the default, oldest first) or descending (newest first)."""
     @_builtins.property
     def selector(self) -> Global___SpanSelector: ...
     def __init__(
@@ -1053,10 +1056,11 @@ class ListSpansRequest(_message.Message):
         selector: Global___SpanSelector | None = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        order: _common_pb2.SortOrder.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["selector", b"selector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "selector", b"selector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["order", b"order", "page_size", b"page_size", "page_token", b"page_token", "selector", b"selector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1070,20 +1074,24 @@ class ListSpansResponse(_message.Message):
 
     SPANS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TOTAL_SIZE_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    total_size: _builtins.int
+    """Spans the selector matches, in all pages."""
     @_builtins.property
     def spans(self) -> _containers.RepeatedCompositeFieldContainer[_span_pb2.Span]:
-        """Ordered by attempt, then sequence id."""
+        """Ordered by attempt, then sequence id, as the request asked."""
 
     def __init__(
         self,
         *,
         spans: _abc.Iterable[_span_pb2.Span] | None = ...,
         next_page_token: _builtins.str = ...,
+        total_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "spans", b"spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "spans", b"spans", "total_size", b"total_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,9 @@ from .limits import LATEST, MAX_SEQUENCE_ID, MAX_SPAN_SEQUENCE_RESERVATION
 from .staging import SpanStaging
 from .validation import check_limit
 
+#: Where a newest-first listing starts: after every span a store can number.
+END_OF_SPANS = MAX_SEQUENCE_ID + 1
+
 
 class SpansSection(SpanStaging):
     """Spans of attempts (see :mod:`.staging` for how a batch is stored)."""
@@ -67,15 +70,20 @@ class SpansSection(SpanStaging):
             name_contains=sel.name_contains,
         )
 
-    async def list_spans(self, sel: SpanSelection, page_size: int = 0, page_token: str = "") -> Page:
-        """Spans of a rollout ordered by attempt then sequence id; keyset page tokens."""
+    async def list_spans(
+        self, sel: SpanSelection, page_size: int = 0, page_token: str = "", *, descending: bool = False
+    ) -> Page:
+        """Spans of a rollout ordered by attempt then sequence id (newest first with ``descending``)."""
         query = self._span_query(sel)
         size = paging.page_size(page_size, default=1000, maximum=10_000)
-        filters = paging.filter_hash(asdict(sel)) if page_token else ""
+        filters = paging.filter_hash(asdict(sel), descending) if page_token else ""
         position = paging.read_token(page_token, filters)
         await self._durable()
         if query is None:
             return Page(items=[])
+        query.descending = descending
+        if descending:
+            query.after = (END_OF_SPANS, END_OF_SPANS)
         if position is not None:
             if not (
                 isinstance(position, list)
@@ -91,9 +99,21 @@ class SpansSection(SpanStaging):
         token = ""
         if more:  # the filters' hash is only worth computing when a next page exists
             token = paging.make_token(
-                [found[-1].attempt_no, found[-1].sequence_id], filters or paging.filter_hash(asdict(sel))
+                [found[-1].attempt_no, found[-1].sequence_id],
+                filters or paging.filter_hash(asdict(sel), descending),
             )
-        return Page(items=found, next_page_token=token)
+        return Page(items=found, next_page_token=token, total_size=await self._count_spans(query, sel))
+
+    async def _count_spans(self, query: SpanQuery, sel: SpanSelection) -> int:
+        """The spans a selection matches: the attempts' own counts, unless a filter narrows them."""
+        if query.filtered:
+            return await self.backend.count_spans(query)
+        rs = self._rollouts[sel.rollout_id]
+        return sum(
+            a.span_count
+            for a in rs.attempts
+            if not query.attempt_no or a.attempt.sequence_number == query.attempt_no
+        )
 
     async def tail_spans(
         self, sel: SpanSelection, follow: bool = False, batch_size: int = 1000
