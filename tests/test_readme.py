@@ -276,8 +276,9 @@ def walkthrough(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mach
 def test_the_walkthrough_plays_every_rollout_through_the_proxy(
     walkthrough: tuple[Machine, list[str]],
 ) -> None:
-    _machine, (_init, _engine, _serve, published, queued, _runner, rollouts, spans) = walkthrough
+    _machine, (_init, _engine, _serve, published, queued, runner, rollouts, spans) = walkthrough
     assert published.startswith("published rs-")
+    assert "succeeded=8 failed=0" in runner and "ERROR" not in runner  # its connections closed, too
     assert len(table(queued)) == 8
     rows = table(rollouts)
     assert len(rows) == 8

@@ -36,6 +36,13 @@ def shared_http_client() -> Any:
     return pool
 
 
+async def close_shared_http_client() -> None:
+    """Close the event loop's shared pool (the runner does, once its rollouts are over)."""
+    pool = _POOLS.pop(asyncio.get_running_loop(), None)
+    if pool is not None and not pool.is_closed:
+        await pool.aclose()
+
+
 def openai_client(llm: LLM, *, max_retries: int = 6, **options: Any) -> Any:
     """An ``openai.AsyncOpenAI`` for ``llm`` (its endpoint, key) over the shared connection pool.
 

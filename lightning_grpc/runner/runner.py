@@ -37,6 +37,7 @@ from lightning_grpc.types import Resource, Rollout, RolloutMode
 
 from .agent import FunctionAgent, Hook, LitAgent, routed_resources
 from .agent import rollout as make_agent
+from .llm import close_shared_http_client
 from .stats import system_snapshot
 
 log = logging.getLogger("lightning_grpc.runner")
@@ -163,6 +164,7 @@ class Runner:
             await self._streamer.aflush(timeout=10)
         if self._client is not None:
             await self._client.close()
+        await close_shared_http_client()  # the agents' OpenAI connections
         self._executor.shutdown(wait=False, cancel_futures=True)
         log.info(
             "event=runner_stopped worker_id=%s completed=%d succeeded=%d failed=%d stopped=%d",
