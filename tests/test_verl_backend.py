@@ -37,7 +37,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from lightning_grpc.client import StoreClient, TrainerClient
 from lightning_grpc.proxy import LLMProxy, ProxyConfig
 from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
-from lightning_grpc.trainer import ppo
+from lightning_grpc.training import ppo
 from lightning_grpc.training.experiment import ConfigError, load_experiment
 from lightning_grpc.training.learner import rollout_rewards_and_groups
 from lightning_grpc.training.verl_backend import (

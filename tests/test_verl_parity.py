@@ -20,7 +20,7 @@ verl = pytest.importorskip(
 from verl.utils import torch_functional as verl_F  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 
-from lightning_grpc.trainer import ppo  # noqa: E402
+from lightning_grpc.training import ppo  # noqa: E402
 
 VERL_MODES = [
     "token-mean",
