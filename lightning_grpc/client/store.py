@@ -24,6 +24,27 @@ from .errors import from_rpc_error
 T = TypeVar("T")
 
 
+def _span_selector(
+    rollout_id: str,
+    attempt_id: str | None,
+    trace_id: str,
+    span_id: str,
+    parent_span_id: str,
+    name: str,
+    name_contains: str,
+) -> pb.SpanSelector:
+    """The selector of ListSpans: a rollout's spans (``attempt_id``: None, "latest" or an id), filtered."""
+    return pb.SpanSelector(
+        rollout_id=rollout_id,
+        attempt_id=attempt_id or "",
+        trace_id=trace_id,
+        span_id=span_id,
+        parent_span_id=parent_span_id,
+        name=name,
+        name_contains=name_contains,
+    )
+
+
 def _order(descending: bool) -> Any:
     return common_pb2.SORT_ORDER_DESCENDING if descending else common_pb2.SORT_ORDER_ASCENDING
 
@@ -414,14 +435,8 @@ class StoreClient:
         limit: int | None = None,
     ) -> list[t.Span]:
         """The spans of a rollout, at most ``limit`` (``attempt_id``: None for all attempts, "latest", or an id)."""
-        selector = pb.SpanSelector(
-            rollout_id=rollout_id,
-            attempt_id=attempt_id or "",
-            trace_id=trace_id,
-            span_id=span_id,
-            parent_span_id=parent_span_id,
-            name=name,
-            name_contains=name_contains,
+        selector = _span_selector(
+            rollout_id, attempt_id, trace_id, span_id, parent_span_id, name, name_contains
         )
         request = pb.ListSpansRequest(selector=selector, page_size=10_000)
         return await self._all_pages("ListSpans", request, "spans", convert.span_from_pb, limit)
@@ -441,14 +456,8 @@ class StoreClient:
         page_token: str = "",
     ) -> t.Page:
         """One page of a rollout's spans, oldest first (newest with ``descending``), with their total."""
-        selector = pb.SpanSelector(
-            rollout_id=rollout_id,
-            attempt_id=attempt_id or "",
-            trace_id=trace_id,
-            span_id=span_id,
-            parent_span_id=parent_span_id,
-            name=name,
-            name_contains=name_contains,
+        selector = _span_selector(
+            rollout_id, attempt_id, trace_id, span_id, parent_span_id, name, name_contains
         )
         request = pb.ListSpansRequest(
             selector=selector, order=_order(descending), page_size=page_size, page_token=page_token

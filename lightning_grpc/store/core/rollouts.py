@@ -295,13 +295,7 @@ class RolloutsSection(SpanStaging):
         if r.status == RolloutStatus.CANCELLED:
             await self._durable()
             return self._snapshot(rs)
-        if r.status.is_terminal:
-            raise FailedPreconditionError(
-                f"rollout {rollout_id} already finished as {r.status}; it cannot be cancelled",
-                reason=Reason.ROLLOUT_FINISHED,
-                rolloutId=rollout_id,
-                status=str(r.status),
-            )
+        _refuse_if_finished(r, "cancelled")
         now = self.clock()
         tx = Txn()
         message = reason or "cancelled"
@@ -323,13 +317,7 @@ class RolloutsSection(SpanStaging):
         self._check_writable()
         rs = self._rollout(rollout_id)
         r = rs.rollout
-        if r.status.is_terminal:
-            raise FailedPreconditionError(
-                f"rollout {rollout_id} already finished as {r.status}; it cannot be retried",
-                reason=Reason.ROLLOUT_FINISHED,
-                rolloutId=rollout_id,
-                status=str(r.status),
-            )
+        _refuse_if_finished(r, "retried")
         if rollout_id in self._queue:
             await self._durable()
             return self._snapshot(rs)
@@ -430,3 +418,14 @@ class RolloutsSection(SpanStaging):
 def _fingerprint(*parts: Any) -> str:
     """What makes two rollout specs the same, so that resending one with its id is harmless."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _refuse_if_finished(r: Rollout, what: str) -> None:
+    """A finished rollout never changes again: FAILED_PRECONDITION saying what cannot be done."""
+    if r.status.is_terminal:
+        raise FailedPreconditionError(
+            f"rollout {r.rollout_id} already finished as {r.status}; it cannot be {what}",
+            reason=Reason.ROLLOUT_FINISHED,
+            rolloutId=r.rollout_id,
+            status=str(r.status),
+        )
