@@ -55,6 +55,11 @@ class Reason(enum.StrEnum):
     # the server and its clients
     SHUTTING_DOWN = "SHUTTING_DOWN"
     BAD_TOKEN = "BAD_TOKEN"
+    CREDENTIAL_EXPIRED = "CREDENTIAL_EXPIRED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    ROLE_NOT_ALLOWED = "ROLE_NOT_ALLOWED"
+    WRONG_WORKER = "WRONG_WORKER"
+    WRONG_ATTEMPT = "WRONG_ATTEMPT"
     STORE_UNREACHABLE = "STORE_UNREACHABLE"
     # the proxy
     ATTEMPT_FINISHED = "ATTEMPT_FINISHED"
@@ -155,6 +160,13 @@ class UnauthenticatedError(LightningError):
     default_reason = "UNAUTHENTICATED"
 
 
+class PermissionDeniedError(LightningError):
+    """The credential is valid but does not allow this call (another role's RPC, another worker or attempt)."""
+
+    code_name = "PERMISSION_DENIED"
+    default_reason = "PERMISSION_DENIED"
+
+
 class UnavailableError(LightningError):
     """The service cannot answer now (shutting down, storage busy); retrying may succeed."""
 
@@ -187,6 +199,7 @@ ERROR_CLASSES: tuple[type[LightningError], ...] = (
     ResourceExhaustedError,
     OutOfRangeError,
     UnauthenticatedError,
+    PermissionDeniedError,
     UnavailableError,
     DeadlineExceededError,
     InternalError,

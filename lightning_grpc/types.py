@@ -103,6 +103,9 @@ class Attempt:
     last_heartbeat_time: float | None = None
     status_message: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: The attempt credential, when it came with a dequeue or start answer from a server with auth on.
+    #: Never stored.
+    credential: str = field(default="", repr=False, compare=False)
 
 
 @dataclass
@@ -158,7 +161,7 @@ class LLM:
 
     endpoint: str
     model: str
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     sampling_parameters: dict[str, Any] = field(default_factory=dict)
 
     def base_url(self) -> str:
@@ -171,7 +174,7 @@ class ProxyLLM:
 
     endpoint: str
     model: str
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     sampling_parameters: dict[str, Any] = field(default_factory=dict)
 
     def base_url(self, rollout_id: str, attempt_id: str) -> str:

@@ -208,7 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
     add_serve_parser(sub)
     add_runner_parser(sub)
-    from lightning_grpc.cli import engine_commands, queue_commands, train_commands, trainer_commands
+    from lightning_grpc.cli import (
+        credential_commands,
+        engine_commands,
+        queue_commands,
+        train_commands,
+        trainer_commands,
+    )
     from lightning_grpc.cli import inspect as inspect_commands
 
     inspect_commands.add_parsers(sub)
@@ -217,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_commands.add_parsers(sub)
     engine_commands.add_parsers(sub)
     proxy_commands.add_parsers(sub)
+    credential_commands.add_parsers(sub)
     return parser
 
 

@@ -94,8 +94,9 @@ def _backend_options(p: argparse.ArgumentParser, prefix: str) -> None:
         f"--{prefix}unattributed",
         dest="proxy_unattributed",
         choices=("forward", "refuse"),
-        default="forward",
-        help="calls without /rollout/{id}/attempt/{id}: forward them unrecorded, or refuse them",
+        default="",
+        help="calls that name no attempt: forward them unrecorded, or refuse them "
+        "(default: refuse when a token is set, forward otherwise)",
     )
     p.add_argument(
         f"--{prefix}retries",

@@ -77,6 +77,7 @@ def attempt_from_pb(m: rollout_pb2.Attempt) -> t.Attempt:
         last_heartbeat_time=ts_to_float(m.last_heartbeat_time) if m.HasField("last_heartbeat_time") else None,
         status_message=m.status_message,
         metadata=struct_to_dict(m.metadata),
+        credential=m.credential,
     )
 
 

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_grpc.access import Credentials
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, Reason
@@ -46,15 +47,20 @@ class ProxyConfig:
     record_wait: float = 10.0
     #: Heartbeat of an attempt while one of its calls runs longer than this (seconds).
     heartbeat_interval: float = 10.0
-    #: Calls without /rollout/{id}/attempt/{id}: "forward" (not recorded) or "refuse".
-    unattributed: str = "forward"
+    #: Calls that name no attempt (no /rollout/{id}/attempt/{id}, no attempt headers, no attempt
+    #: credential): "forward" (not recorded) or "refuse"; "" (the default): refuse them when the proxy
+    #: checks credentials, forward them otherwise.
+    unattributed: str = ""
+    #: The Store's admin token. With one (or with a token in ``store``'s ClientConfig), the HTTP side
+    #: takes only credentials: an attempt's own credential as its API key, or the admin token.
+    token: str | None = field(default=None, repr=False)
 
 
 class ProxyCore:
     """What the proxy knows and decides, with no HTTP listener: :class:`~.app.LLMProxy` adds that."""
 
     def __init__(self, config: ProxyConfig) -> None:
-        if config.unattributed not in ("forward", "refuse"):
+        if config.unattributed not in ("", "forward", "refuse"):
             raise ValueError("unattributed must be 'forward' or 'refuse'")
         self.config = config
         self.table = BackendTable(config.backends)
@@ -76,6 +82,8 @@ class ProxyCore:
         )
         self.litellm = LiteLLMClient(retries=config.retries, timeout=config.read_timeout)
         self.port = 0  # the bound HTTP port, once listening
+        #: Checks the credentials of HTTP calls; None: the HTTP side is open (local use, no token).
+        self.credentials: Credentials | None = None
 
     # ------------------------------------------------------------ store connection
     def connect(self, store: str | ClientConfig | LocalStoreClient | None = None) -> str:
@@ -84,10 +92,19 @@ class ProxyCore:
         ``store`` overrides the configured store; a :class:`LocalStoreClient` is a Store in this process.
         """
         target = store if store is not None else self.config.store
+        token = self.config.token or getattr(target, "token", None)
+        self.credentials = Credentials(token) if token else None
         self.store = target if isinstance(target, LocalStoreClient) else StoreClient(target)
         self.recorder = SpanRecorder(self.store).start()
         self.gate = AttemptGate(self.store)
         return target if isinstance(target, str) else getattr(target, "target", "in-process")
+
+    @property
+    def refuses_unattributed(self) -> bool:
+        """Whether calls that name no attempt are refused (403) rather than forwarded unrecorded."""
+        if self.config.unattributed:
+            return self.config.unattributed == "refuse"
+        return self.credentials is not None
 
     async def close_clients(self, grace: float = 10.0) -> None:
         """Write the queued spans (up to ``grace`` s) and close every outgoing client."""

@@ -3,9 +3,16 @@
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, and the same under
 ``/rollout/{rollout_id}/attempt/{attempt_id}``. Only calls of a running attempt are recorded;
 calls of an unknown attempt get 404, of a finished (or superseded, or cancelled) one 410, and
-neither is recorded. Calls without the prefix are forwarded and not recorded (or refused with
-403 when the proxy is configured with ``unattributed="refuse"``); the ``x-lightning-rollout-id``
-and ``x-lightning-attempt-id`` headers attribute such a call like the prefix does.
+neither is recorded. The ``x-lightning-rollout-id`` and ``x-lightning-attempt-id`` headers attribute
+a call without the prefix like the prefix does.
+
+With a token (the Store's admin token, see :class:`~.core.ProxyConfig`), every route but ``/health``
+takes a credential as its bearer token (the OpenAI client's API key), per
+:data:`lightning_grpc.access.PROXY_ROUTES`: an attempt's own credential, for that attempt only (a call
+that names another attempt gets 403 and is not recorded; a call that names none is that attempt's),
+or the admin token. Then calls that name no attempt are refused (403) unless the proxy is configured
+with ``unattributed="forward"``; without a token they are forwarded unrecorded unless configured
+with ``unattributed="refuse"``.
 
 The end of a response (the body, or a stream's ``[DONE]``) is held until the call's span is in
 the Store, up to ``record_wait`` seconds: an agent that has its answer can end its attempt
@@ -23,7 +30,8 @@ from typing import Any
 from aiohttp import web
 
 from lightning_grpc import semconv
-from lightning_grpc.errors import NotFoundError
+from lightning_grpc.access import PROXY_ROUTES, Principal, Role
+from lightning_grpc.errors import LightningError, NotFoundError
 from lightning_grpc.types import RolloutMode
 
 from . import sse
@@ -39,6 +47,8 @@ log = logging.getLogger("lightning_grpc.proxy")
 PATHS: dict[Kind, str] = {"chat": "chat/completions", "completion": "completions"}
 LOGPROB_MODES = (RolloutMode.TRAIN, RolloutMode.UNSPECIFIED)
 PROXY_KEY: web.AppKey[ProxyCore] = web.AppKey("proxy", ProxyCore)
+#: Where the access check leaves the caller of a request (absent: the proxy checks no credentials).
+PRINCIPAL: web.RequestKey[Principal] = web.RequestKey("principal", Principal)
 
 
 def error_response(
@@ -53,8 +63,54 @@ def error_response(
     return web.json_response(body, status=status, headers=headers)
 
 
+@web.middleware
+async def check_access(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Refuse a request whose credential its route does not take (see :data:`PROXY_ROUTES`)."""
+    proxy = request.app[PROXY_KEY]
+    credentials = proxy.credentials
+    route = request.match_info.route.resource
+    allowed = PROXY_ROUTES.get((request.method, route.canonical)) if route is not None else None
+    if credentials is None or allowed is None:
+        return await handler(request)
+    try:
+        principal = credentials.principal(request.headers.get("Authorization"))
+    except LightningError as exc:
+        proxy.refused_calls += 1
+        return error_response(401, "invalid_api_key", exc.message, kind="authentication_error")
+    if principal.role not in allowed:
+        proxy.refused_calls += 1
+        return error_response(
+            403, "role_not_allowed", f"{principal.describe()} may not call the proxy", kind="permission_error"
+        )
+    named = _named_attempt(request)
+    if (
+        principal.role == Role.ATTEMPT
+        and any(named)
+        and named != (principal.rollout_id, principal.attempt_id)
+    ):
+        proxy.refused_calls += 1
+        return error_response(
+            403,
+            "wrong_attempt",
+            f"{principal.describe()} may not call for attempt {named[1] or '(none)'} "
+            f"of rollout {named[0] or '(none)'}",
+            kind="permission_error",
+        )
+    request[PRINCIPAL] = principal
+    return await handler(request)
+
+
+def _named_attempt(request: web.Request) -> tuple[str, str]:
+    """The (rollout id, attempt id) a request names by its path or its headers."""
+    info, headers = request.match_info, request.headers
+    return (
+        info.get("rollout_id") or headers.get(semconv.ROLLOUT_ID_HEADER) or "",
+        info.get("attempt_id") or headers.get(semconv.ATTEMPT_ID_HEADER) or "",
+    )
+
+
 def build_app(proxy: ProxyCore) -> web.Application:
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[check_access])
     app[PROXY_KEY] = proxy
     for prefix in ("", "/rollout/{rollout_id}/attempt/{attempt_id}"):
         app.router.add_post(f"{prefix}/v1/chat/completions", _chat)
@@ -123,9 +179,11 @@ class Call:
         self.proxy = proxy
         self.request = request
         self.kind = kind
-        info, headers = request.match_info, request.headers
-        self.rollout_id: str = info.get("rollout_id") or headers.get(semconv.ROLLOUT_ID_HEADER) or ""
-        self.attempt_id: str = info.get("attempt_id") or headers.get(semconv.ATTEMPT_ID_HEADER) or ""
+        self.rollout_id, self.attempt_id = _named_attempt(request)
+        principal: Principal | None = request.get(PRINCIPAL)
+        if principal is not None and principal.role == Role.ATTEMPT and not self.attempt_id:
+            # an attempt credential on a bare route: the call is that attempt's
+            self.rollout_id, self.attempt_id = principal.rollout_id, principal.attempt_id
 
     async def run(self) -> web.StreamResponse:
         proxy = self.proxy
@@ -166,7 +224,7 @@ class Call:
                 return self._refuse(
                     Refused(400, "invalid_attempt", "a call needs both a rollout id and an attempt id")
                 )
-            if self.proxy.config.unattributed == "refuse":
+            if self.proxy.refuses_unattributed:
                 return self._refuse(
                     Refused(403, "attempt_required", "call through /rollout/{id}/attempt/{id}/v1")
                 )

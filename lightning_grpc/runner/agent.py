@@ -141,12 +141,16 @@ def rollout(fn: Callable[..., Any]) -> FunctionAgent:
 
 
 def routed_resources(resources: Mapping[str, Resource], rollout: Rollout) -> dict[str, Resource]:
-    """Resources as one attempt sees them: proxy endpoints become the attempt's own LLM endpoint."""
+    """Resources as one attempt sees them: proxy endpoints become the attempt's own LLM endpoint, with
+    the attempt's credential (when the Store issued one) as its API key."""
     attempt = rollout.latest_attempt
     out: dict[str, Resource] = {}
     for name, resource in resources.items():
         if isinstance(resource, ProxyLLM) and attempt is not None:
-            out[name] = resource.for_attempt(rollout.rollout_id, attempt.attempt_id)
+            routed = resource.for_attempt(rollout.rollout_id, attempt.attempt_id)
+            if attempt.credential:
+                routed.api_key = attempt.credential
+            out[name] = routed
         else:
             out[name] = resource
     return out

@@ -10,15 +10,16 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lightning_grpc import logs
+from lightning_grpc.access import Credentials, credential_claims
 from lightning_grpc.errors import LightningError
 
 from .agent import LitAgent, rollout
-from .runner import Runner, run_forever
+from .runner import Runner, default_worker_id, run_forever
 
 log = logging.getLogger("lightning_grpc.runner")
 
@@ -64,6 +65,18 @@ class RunnerSpec:
     max_rollouts: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
+    def for_runner(self, index: int) -> RunnerSpec:
+        """What runner ``index`` of a fleet gets: given the admin token, a runner credential of its own
+        worker id instead, so that no runner process holds more than its own rights."""
+        if not self.token or credential_claims(self.token) is not None or "worker_id" in self.options:
+            return self
+        worker_id = f"{default_worker_id()}-{index}"
+        return replace(
+            self,
+            token=Credentials(self.token).runner(worker_id),
+            options={**self.options, "worker_id": worker_id},
+        )
+
     def build(self, worker_suffix: str = "") -> Runner:
         return Runner(
             load_agent(self.agent),
@@ -92,11 +105,11 @@ def _process_main(spec: RunnerSpec) -> None:
 def run_processes(spec: RunnerSpec, processes: int) -> int:
     """Run ``processes`` runner processes until SIGTERM/SIGINT; returns 0 when all exited cleanly."""
     if processes == 1:
-        run_forever(spec.build())
+        run_forever(spec.for_runner(0).build())
         return 0
     ctx = multiprocessing.get_context("spawn")  # gRPC is not fork-safe: children start fresh
     children = [
-        ctx.Process(target=_process_main, args=(spec,), name=f"lightning-runner-{i}")
+        ctx.Process(target=_process_main, args=(spec.for_runner(i),), name=f"lightning-runner-{i}")
         for i in range(processes)
     ]
 
@@ -142,7 +155,7 @@ class RayFleet:
                 ignore_reinit_error=True,
             )
         actor_class: Any = ray.remote(num_cpus=num_cpus)(_RunnerActor)
-        self.actors: list[Any] = [actor_class.remote(spec) for _ in range(actors)]
+        self.actors: list[Any] = [actor_class.remote(spec.for_runner(i)) for i in range(actors)]
         self._runs = [actor.run.remote() for actor in self.actors]
 
     def stop(self) -> None:

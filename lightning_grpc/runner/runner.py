@@ -22,6 +22,7 @@ from typing import Any
 from opentelemetry.trace import Status, StatusCode
 
 from lightning_grpc import semconv
+from lightning_grpc.access import Role, credential_claims
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.errors import FailedPreconditionError, LightningError, NotFoundError
 from lightning_grpc.tracing import (
@@ -41,6 +42,12 @@ from .llm import close_shared_http_client
 from .stats import system_snapshot
 
 log = logging.getLogger("lightning_grpc.runner")
+
+
+def _worker_of(token: str | None) -> str:
+    """The worker id a runner credential is bound to ("" for the admin token or none)."""
+    claims = credential_claims(token or "") or {}
+    return str(claims.get("worker_id", "")) if claims.get("role") == Role.RUNNER else ""
 
 
 def default_worker_id() -> str:
@@ -88,7 +95,7 @@ class Runner:
         self.agent: LitAgent = agent if isinstance(agent, LitAgent) else make_agent(agent)
         self.config = store if isinstance(store, ClientConfig) else ClientConfig(target=store, token=token)
         self.concurrency = concurrency
-        self.worker_id = worker_id or default_worker_id()
+        self.worker_id = worker_id or _worker_of(self.config.token) or default_worker_id()
         self.heartbeat_interval = heartbeat_interval
         self.worker_heartbeat_interval = worker_heartbeat_interval
         self.poll_wait = poll_wait

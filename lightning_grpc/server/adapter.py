@@ -28,6 +28,8 @@ from lightning_grpc.errors import (
     UnavailableError,
 )
 
+from . import caller
+
 log = logging.getLogger("lightning_grpc.server")
 
 Req = TypeVar("Req")
@@ -144,6 +146,14 @@ def _refuse_if_draining(servicer: Any) -> None:
         raise _shutting_down()
 
 
+def _authorized(request: Any) -> Any:
+    """The request, once the caller may make it (a client stream: each message, as it comes)."""
+    if hasattr(request, "__aiter__"):
+        return caller.authorized_stream(request)
+    caller.authorize_request(request)
+    return request
+
+
 def unary(
     fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
@@ -156,7 +166,9 @@ def unary(
             _refuse_if_draining(self)
             if isinstance(request, Undecodable):
                 raise request.error()
-            return await fn(self, request, context)
+            response = await fn(self, _authorized(request), context)
+            caller.answer(response)
+            return response
         except LightningError as exc:
             await abort(context, exc)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -182,7 +194,7 @@ def streaming(
             _refuse_if_draining(self)
             if isinstance(request, Undecodable):
                 raise request.error()
-            async for item in fn(self, request, context):
+            async for item in fn(self, _authorized(request), context):
                 yield item
         except LightningError as exc:
             await abort(context, exc)

@@ -21,7 +21,7 @@ from lightning_grpc.trainer import TrainerCore
 from lightning_grpc.v1 import store_service_pb2
 
 from .adapter import ServicerState
-from .auth import BearerTokenInterceptor
+from .auth import interceptors_for
 from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
 from .store_servicer import StoreServicer, add_store_service, check_duration
 from .trainer_servicer import TRAINER_SERVICE, TrainerServicer, add_trainer_service, span_reader
@@ -160,9 +160,8 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     timeouts the wire can carry) and serve it; returns once listening."""
     if store is None:
         store = await make_store(config).start()
-    interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
     server = grpc.aio.server(
-        interceptors=interceptors,
+        interceptors=interceptors_for(config.token, store),
         options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

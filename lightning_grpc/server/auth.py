@@ -1,25 +1,181 @@
-"""Optional bearer-token authentication for every service but health and reflection."""
+"""Access control on the server: who is calling (the interceptor), and whether the call is theirs (the adapter).
+
+The table is :data:`lightning_grpc.access.RULES`; this module enforces it, and nothing else does.
+
+- :class:`AuthInterceptor` reads the ``authorization`` metadata of every call but health and reflection,
+  refuses a missing, wrong or expired credential with UNAUTHENTICATED and a method that has no rule or
+  does not allow the caller's role with PERMISSION_DENIED, and leaves the caller in :data:`CALLER` for the
+  call's handler (gRPC runs the interceptor and the handler in the call's own task).
+- The adapter (:mod:`.adapter`) then asks :meth:`AccessControl.authorize` about the request, before the
+  servicer sees it, and :meth:`AccessControl.answer` about the response: attempt credentials are attached,
+  secrets blanked for every role but admin.
+- A runner credential owns the attempts its worker holds; an attempt credential owns one attempt while it
+  runs. Both are read from the store's state in memory (no I/O).
+"""
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 
-from lightning_grpc.errors import Reason, UnauthenticatedError
+from lightning_grpc.access import (
+    OPEN_PREFIXES,
+    Credentials,
+    Principal,
+    Role,
+    Scope,
+    attempt_credential_ttl,
+    refuse_attempt,
+    refuse_role,
+    rule_for,
+)
+from lightning_grpc.errors import LightningError, PermissionDeniedError, Reason, UnauthenticatedError
+from lightning_grpc.store import Store
 
 from .adapter import status_for
+from .caller import CALLER, Call
 
-OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+class AccessControl:
+    """Enforces :data:`~lightning_grpc.access.RULES` for one server.
+
+    ``store`` is the Store the server hosts (None for a server hosting only the proxy): runner
+    credentials are checked against the workers its attempts belong to, attempt credentials against
+    whether the attempt still runs.
+    """
+
+    def __init__(self, credentials: Credentials, store: Store | None = None) -> None:
+        self.credentials = credentials
+        self.store = store
+
+    # ------------------------------------------------------------------ who, and which RPC
+    def admit(self, method: str, authorization: str | bytes | None) -> Call:
+        principal = self.credentials.principal(authorization)
+        rule = rule_for(method)
+        if rule is None:
+            raise PermissionDeniedError(f"{method} is not a method this server serves to anyone")
+        if not rule.allows(principal.role):
+            raise refuse_role(principal, method.rsplit("/", 1)[-1])
+        return Call(self, principal, method, rule)
+
+    # ------------------------------------------------------------------ whose
+    def authorize(self, call: Call, request: Any) -> None:
+        """Refuse a request that names a worker, rollout or attempt the caller does not own."""
+        principal, scope = call.principal, call.rule.scope
+        if principal.role == Role.ADMIN or scope in (Scope.NONE, Scope.SPANS):
+            return
+        if scope == Scope.WORKER:
+            self.check_worker(principal, request.worker_id)
+        elif scope == Scope.ATTEMPT:
+            self.check_attempt(principal, request.rollout_id, request.attempt_id)
+        elif scope == Scope.ROLLOUT:
+            self.check_rollout(principal, request.rollout_id)
+
+    def check_worker(self, principal: Principal, worker_id: str) -> None:
+        if principal.role == Role.RUNNER and worker_id == principal.worker_id:
+            return
+        raise PermissionDeniedError(
+            f"{principal.describe()} may act only as worker {principal.worker_id or '(none)'}, "
+            f"not as worker {worker_id or '(empty)'}; set worker_id to the credential's worker",
+            reason=Reason.WRONG_WORKER,
+            workerId=worker_id,
+        )
+
+    def check_attempt(self, principal: Principal, rollout_id: str, attempt_id: str) -> None:
+        if principal.role == Role.ADMIN:
+            return
+        if principal.role == Role.ATTEMPT:
+            if (rollout_id, attempt_id) != (principal.rollout_id, principal.attempt_id):
+                raise refuse_attempt(principal, rollout_id, attempt_id)
+            self._check_still_running(principal)
+            return
+        attempt = self.store.find_attempt(rollout_id, attempt_id) if self.store is not None else None
+        if attempt is None and self.store is not None:
+            return  # the store answers NOT_FOUND, as it would to the admin
+        if attempt is None or attempt.worker_id != principal.worker_id:
+            raise refuse_attempt(principal, rollout_id, attempt_id)
+
+    def check_rollout(self, principal: Principal, rollout_id: str) -> None:
+        if principal.role == Role.ATTEMPT:
+            if rollout_id != principal.rollout_id:
+                raise refuse_attempt(principal, rollout_id, "(any)")
+            return
+        if principal.role == Role.RUNNER and self.store is not None:
+            latest = self.store.find_latest_attempt(rollout_id)
+            if latest is None and self.store.rollout_status(rollout_id) is None:
+                return  # unknown: NOT_FOUND from the store
+            if latest is not None and latest.worker_id == principal.worker_id:
+                return
+        raise refuse_attempt(principal, rollout_id, "(latest)")
+
+    def check_spans(self, call: Call, attempts: Iterable[tuple[str, str]]) -> None:
+        """Every (rollout id, attempt id) a span write names must be the caller's (before anything is stored)."""
+        for rollout_id, attempt_id in attempts:
+            self.check_attempt(call.principal, rollout_id, attempt_id)
+
+    def _check_still_running(self, principal: Principal) -> None:
+        if self.store is None:
+            return
+        attempt = self.store.find_attempt(principal.rollout_id, principal.attempt_id)
+        if attempt is not None and not attempt.status.is_active:
+            raise UnauthenticatedError(
+                f"the credential of attempt {principal.attempt_id} expired when the attempt ended "
+                f"({attempt.status.name.lower()})",
+                reason=Reason.CREDENTIAL_EXPIRED,
+                attemptId=principal.attempt_id,
+            )
+
+    # ------------------------------------------------------------------ answers
+    def answer(self, call: Call, response: Any) -> None:
+        """Attach attempt credentials to a dequeue or start answer; blank secrets for non-admins."""
+        rule = call.rule
+        if rule.issues_attempt_credentials:
+            for rollout in _rollouts_of(response):
+                self._attach_credential(rollout)
+        if rule.redacts_secrets and call.principal.role != Role.ADMIN:
+            redact_secrets(response)
+
+    def _attach_credential(self, rollout: Any) -> None:
+        attempt = rollout.latest_attempt
+        if not attempt.attempt_id or attempt.status not in _ACTIVE_PB:
+            return
+        timeout = rollout.config.timeout.seconds if rollout.config.HasField("timeout") else None
+        attempt.credential = self.credentials.attempt(
+            rollout.rollout_id, attempt.attempt_id, ttl=attempt_credential_ttl(timeout)
+        )
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls whose ``authorization`` metadata is not ``Bearer <token>``."""
+_ACTIVE_PB = (1, 2)  # ATTEMPT_STATUS_PREPARING, ATTEMPT_STATUS_RUNNING
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+
+def _rollouts_of(response: Any) -> Iterable[Any]:
+    if hasattr(response, "rollouts"):
+        return response.rollouts  # type: ignore[no-any-return]
+    return (response.rollout,)
+
+
+def redact_secrets(response: Any) -> None:
+    """Blank every ``api_key`` of the resources in a GetResources/GetLatestResources/ListResources answer."""
+    updates = response.resources
+    for update in (
+        updates if hasattr(updates, "__len__") and not hasattr(updates, "resources") else (updates,)
+    ):
+        for resource in update.resources.values():
+            kind = resource.WhichOneof("kind")
+            if kind in ("llm", "proxy_llm"):
+                getattr(resource, kind).api_key = ""
+
+
+# ---------------------------------------------------------------------- the interceptor
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every call but health and reflection, and checks its method's role."""
+
+    def __init__(self, control: AccessControl) -> None:
+        self.control = control
 
     async def intercept_service(
         self,
@@ -29,21 +185,20 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method = details.method or ""
         if method.startswith(OPEN_PREFIXES):
             return await continuation(details)
-        supplied = b""
+        supplied: str | bytes | None = None
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
-                supplied = value.encode() if isinstance(value, str) else value
+                supplied = value
                 break
-        if hmac.compare_digest(supplied, self._expected):
-            return await continuation(details)
-        handler = await continuation(details)
-        return _refusing(handler, "missing bearer token" if not supplied else "wrong bearer token")
+        try:
+            CALLER.set(self.control.admit(method, supplied))
+        except LightningError as exc:
+            return _refusing(await continuation(details), exc)
+        return await continuation(details)
 
 
-def _refusing(handler: grpc.RpcMethodHandler | None, why: str) -> grpc.RpcMethodHandler:
-    status = status_for(
-        UnauthenticatedError(f"{why}; send 'authorization: Bearer <token>'", reason=Reason.BAD_TOKEN)
-    )
+def _refusing(handler: grpc.RpcMethodHandler | None, error: LightningError) -> grpc.RpcMethodHandler:
+    status = status_for(error)
 
     async def refuse_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort_with_status(status)
@@ -65,3 +220,13 @@ def _refusing(handler: grpc.RpcMethodHandler | None, why: str) -> grpc.RpcMethod
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(refuse_unary, **kw)
     return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
+
+
+def interceptors_for(token: str | None, store: Store | None) -> list[grpc.aio.ServerInterceptor]:
+    """The server's interceptors: none without a token (local use), else access control."""
+    if not token:
+        return []
+    return [AuthInterceptor(AccessControl(Credentials(token), store))]
+
+
+__all__ = ["AccessControl", "AuthInterceptor", "interceptors_for", "redact_secrets"]

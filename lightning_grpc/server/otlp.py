@@ -41,6 +41,7 @@ from lightning_grpc.store import SpanRecord, Store
 from lightning_grpc.store.core import MAX_BATCH_SPANS
 from lightning_grpc.v1 import common_pb2, span_pb2
 
+from . import caller
 from .adapter import ServicerState, unary
 
 log = logging.getLogger("lightning_grpc.server")
@@ -250,12 +251,14 @@ class TraceServicer(ServicerState, otlp_grpc.TraceServiceServicer):
     async def Export(self, request: Any, context: Ctx) -> otlp_service.ExportTraceServiceResponse:
         """``request`` is the serialized request (see :func:`add_otlp_service`) or a parsed one."""
         rejections = Rejections()
-        headers = _header_attribution(context)
+        # spans that name no attempt are the caller's when it holds an attempt credential
+        headers = _first(_header_attribution(context), caller.attempt_of_caller())
         if isinstance(request, bytes) and len(request) > THREAD_BYTES:
             # Converting is pure CPU and touches no store state: off the loop, other calls go on.
             batches = await asyncio.to_thread(decode_and_group, request, headers, rejections)
         else:
             batches = decode_and_group(request, headers, rejections)
+        caller.authorize_spans(batches)  # every attempt named must be the caller's, before any is stored
         for key, records in batches.items():
             for start in range(0, len(records), MAX_BATCH_SPANS):
                 await store_batch(self.store, key, records[start : start + MAX_BATCH_SPANS], rejections)

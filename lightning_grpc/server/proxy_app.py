@@ -20,7 +20,7 @@ from lightning_grpc.proxy.app import LLMProxy
 from lightning_grpc.proxy.core import ProxyConfig
 
 from .app import RunningServer, ServerConfig, listen, start_server
-from .auth import BearerTokenInterceptor
+from .auth import interceptors_for
 from .proxy_servicer import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
 log = logging.getLogger("lightning_grpc.proxy")
@@ -51,7 +51,7 @@ async def start_proxy_server(
 ) -> RunningProxy:
     """Start the proxy's HTTP side, then its gRPC server; returns once both listen."""
     proxy = await LLMProxy(config).start()
-    server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token)] if token else [])
+    server = grpc.aio.server(interceptors=interceptors_for(token, None))
     add_proxy_service(ProxyServicer(proxy), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -73,7 +73,8 @@ async def start_with_store(
     server_config: ServerConfig, proxy_config: ProxyConfig
 ) -> tuple[RunningServer, LLMProxy]:
     """The Store server with ProxyService on its port, and the proxy's HTTP side recording into it."""
-    proxy = LLMProxy(proxy_config)
+    # the proxy checks credentials under the Store's token, which it shares in this process
+    proxy = LLMProxy(dataclasses.replace(proxy_config, token=proxy_config.token or server_config.token))
     config = dataclasses.replace(
         server_config, extra_services=(*server_config.extra_services, service_hook(proxy))
     )

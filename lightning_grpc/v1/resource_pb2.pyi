@@ -34,7 +34,9 @@ class LlmEndpoint(_message.Message):
     """Base URL, for example http://127.0.0.1:8000/v1."""
     model: _builtins.str
     api_key: _builtins.str
-    """Optional API key for the endpoint."""
+    """Optional API key for the endpoint. A secret: on a server with authentication on, it is
+    answered only to the admin role; runner and attempt credentials read it empty.
+    """
     @_builtins.property
     def sampling_parameters(self) -> _struct_pb2.Struct:
         """Sampling parameters the agent should use (temperature, top_p, ...)."""
@@ -70,6 +72,9 @@ class ProxyLlmEndpoint(_message.Message):
     endpoint: _builtins.str
     model: _builtins.str
     api_key: _builtins.str
+    """A secret, like LlmEndpoint.api_key (answered to the admin role only). A runner gives each agent
+    its attempt's credential as the key of its routed endpoint instead.
+    """
     @_builtins.property
     def sampling_parameters(self) -> _struct_pb2.Struct: ...
     def __init__(

@@ -168,6 +168,7 @@ class Attempt(_message.Message):
     LAST_HEARTBEAT_TIME_FIELD_NUMBER: _builtins.int
     STATUS_MESSAGE_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     attempt_id: _builtins.str
     sequence_number: _builtins.int
@@ -176,6 +177,12 @@ class Attempt(_message.Message):
     worker_id: _builtins.str
     status_message: _builtins.str
     """Why the attempt failed or ended, when it did not succeed."""
+    credential: _builtins.str
+    """The attempt's own credential (the "attempt" role): set only in the answers of DequeueRollouts,
+    StartAttempt and StartRollout on a server with authentication on, empty everywhere else. The agent
+    sends it as its bearer token (spans, OTLP, heartbeat, outcome) and as its API key on the proxy. It
+    works for this attempt alone and stops working when the attempt ends.
+    """
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -201,10 +208,11 @@ class Attempt(_message.Message):
         last_heartbeat_time: _timestamp_pb2.Timestamp | None = ...,
         status_message: _builtins.str = ...,
         metadata: _struct_pb2.Struct | None = ...,
+        credential: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "last_heartbeat_time", b"last_heartbeat_time", "metadata", b"metadata", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "end_time", b"end_time", "last_heartbeat_time", b"last_heartbeat_time", "metadata", b"metadata", "rollout_id", b"rollout_id", "sequence_number", b"sequence_number", "start_time", b"start_time", "status", b"status", "status_message", b"status_message", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "credential", b"credential", "end_time", b"end_time", "last_heartbeat_time", b"last_heartbeat_time", "metadata", b"metadata", "rollout_id", b"rollout_id", "sequence_number", b"sequence_number", "start_time", b"start_time", "status", b"status", "status_message", b"status_message", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,6 +29,12 @@ class StoreServiceStub:
     """The Store: the rollout queue, attempts, spans, versioned resources and workers, with a
     watchdog that ends attempts whose deadlines pass. Errors carry a google.rpc.Status with one
     google.rpc.ErrorInfo whose domain is "lightning-grpc.dev".
+
+    With authentication on, every call carries "authorization: Bearer <credential>": the admin token
+    (every RPC), a runner credential bound to one worker id, or an attempt credential bound to one
+    attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
+    table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
+    credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
     """
 
     def __init__(self, channel):
@@ -193,6 +199,12 @@ class StoreServiceServicer:
     """The Store: the rollout queue, attempts, spans, versioned resources and workers, with a
     watchdog that ends attempts whose deadlines pass. Errors carry a google.rpc.Status with one
     google.rpc.ErrorInfo whose domain is "lightning-grpc.dev".
+
+    With authentication on, every call carries "authorization: Bearer <credential>": the admin token
+    (every RPC), a runner credential bound to one worker id, or an attempt credential bound to one
+    attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
+    table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
+    credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
     """
 
     def StartRollout(self, request, context):
@@ -586,6 +598,12 @@ class StoreService:
     """The Store: the rollout queue, attempts, spans, versioned resources and workers, with a
     watchdog that ends attempts whose deadlines pass. Errors carry a google.rpc.Status with one
     google.rpc.ErrorInfo whose domain is "lightning-grpc.dev".
+
+    With authentication on, every call carries "authorization: Bearer <credential>": the admin token
+    (every RPC), a runner credential bound to one worker id, or an attempt credential bound to one
+    attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
+    table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
+    credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
     """
 
     @staticmethod

@@ -30,6 +30,12 @@ class StoreServiceStub:
     """The Store: the rollout queue, attempts, spans, versioned resources and workers, with a
     watchdog that ends attempts whose deadlines pass. Errors carry a google.rpc.Status with one
     google.rpc.ErrorInfo whose domain is "lightning-grpc.dev".
+
+    With authentication on, every call carries "authorization: Bearer <credential>": the admin token
+    (every RPC), a runner credential bound to one worker id, or an attempt credential bound to one
+    attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
+    table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
+    credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
     """
 
     @_typing.overload
@@ -127,6 +133,12 @@ class StoreServiceAsyncStub(StoreServiceStub):
     """The Store: the rollout queue, attempts, spans, versioned resources and workers, with a
     watchdog that ends attempts whose deadlines pass. Errors carry a google.rpc.Status with one
     google.rpc.ErrorInfo whose domain is "lightning-grpc.dev".
+
+    With authentication on, every call carries "authorization: Bearer <credential>": the admin token
+    (every RPC), a runner credential bound to one worker id, or an attempt credential bound to one
+    attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
+    table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
+    credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -220,6 +232,12 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
     """The Store: the rollout queue, attempts, spans, versioned resources and workers, with a
     watchdog that ends attempts whose deadlines pass. Errors carry a google.rpc.Status with one
     google.rpc.ErrorInfo whose domain is "lightning-grpc.dev".
+
+    With authentication on, every call carries "authorization: Bearer <credential>": the admin token
+    (every RPC), a runner credential bound to one worker id, or an attempt credential bound to one
+    attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
+    table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
+    credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
     """
 
     @_abc_1.abstractmethod

@@ -1,4 +1,4 @@
-"""For cores built on the store (the trainer core): reads of the committed state, and their own writes."""
+"""For cores built on the store (the trainer core, access control): reads of the state, and their own writes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from lightning_grpc.types import Rollout
+from lightning_grpc.types import Attempt, Rollout
 
 from ..state import Txn
 from .staging import SpanStaging
@@ -36,6 +36,18 @@ class ForCoresSection(SpanStaging):
             for rs in found
             if rs is not None
         }
+
+    def find_attempt(self, rollout_id: str, attempt_id: str) -> Attempt | None:
+        """The store's own attempt object (read-only), or None; no I/O (access control asks it on every call)."""
+        ast = self._attempts.get(attempt_id)
+        if ast is None or ast.attempt.rollout_id != rollout_id:
+            return None
+        return ast.attempt
+
+    def find_latest_attempt(self, rollout_id: str) -> Attempt | None:
+        """The latest attempt of a rollout (the store's own object, read-only), or None; no I/O."""
+        rs = self._rollouts.get(rollout_id)
+        return rs.latest.attempt if rs is not None and rs.latest is not None else None
 
     def attempt_span_count(self, attempt_id: str) -> int:
         """How many spans an attempt has stored (0 for an unknown attempt)."""

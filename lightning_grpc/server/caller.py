@@ -1,0 +1,71 @@
+"""The caller of the call being handled, as the access-control interceptor found it (see :mod:`.auth`).
+
+The adapter and the receivers ask these functions; each does nothing when authentication is off.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_grpc.access import Principal, Role, Rule
+
+if TYPE_CHECKING:
+    from .auth import AccessControl
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the interceptor learned about a call, for its handler."""
+
+    control: AccessControl
+    principal: Principal
+    method: str
+    rule: Rule
+
+
+#: The current call's caller; None when authentication is off.
+CALLER: contextvars.ContextVar[Call | None] = contextvars.ContextVar("lightning_grpc_caller", default=None)
+
+
+def current_call() -> Call | None:
+    return CALLER.get()
+
+
+def authorize_request(request: Any) -> None:
+    """Called by the adapter before a unary or server-streaming handler runs."""
+    call = CALLER.get()
+    if call is not None:
+        call.control.authorize(call, request)
+
+
+async def authorized_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A client stream whose every message is checked like a unary request."""
+    call = CALLER.get()
+    async for message in requests:
+        if call is not None:
+            call.control.authorize(call, message)
+        yield message
+
+
+def answer(response: Any) -> None:
+    call = CALLER.get()
+    if call is not None:
+        call.control.answer(call, response)
+
+
+def authorize_spans(attempts: Iterable[tuple[str, str]]) -> None:
+    """For receivers that learn the attempts from the spans themselves (OTLP Export)."""
+    call = CALLER.get()
+    if call is not None:
+        call.control.check_spans(call, attempts)
+
+
+def attempt_of_caller() -> tuple[str, str]:
+    """The attempt an attempt credential names (("", "") for any other caller): its spans' default attribution."""
+    call = CALLER.get()
+    if call is None or call.principal.role != Role.ATTEMPT:
+        return "", ""
+    return call.principal.rollout_id, call.principal.attempt_id
