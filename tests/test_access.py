@@ -21,6 +21,8 @@ import pytest
 import pytest_asyncio
 from google.protobuf import message_factory
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp_service
 from opentelemetry.proto.trace.v1 import trace_pb2 as otlp_trace
@@ -30,7 +32,7 @@ from lightning_grpc.access import RULES, Credentials, Role, credential_claims
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.errors import PermissionDeniedError, UnauthenticatedError
 from lightning_grpc.proxy import ProxyConfig
-from lightning_grpc.server.app import RunningServer, ServerConfig
+from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
 from lightning_grpc.server.proxy_app import start_with_store
 from lightning_grpc.types import LLM, ProxyLLM, Span
 from lightning_grpc.v1 import proxy_service_pb2, store_service_pb2, trainer_service_pb2
@@ -194,12 +196,32 @@ async def test_every_rpc_is_allowed_to_the_roles_its_rule_names_and_refused_to_t
         assert "/lightning.v1.StoreService/HeartbeatAttempt" in admitted
 
 
-async def test_health_and_reflection_stay_open(secured: RunningServer) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+async def list_services(address: str) -> list[str] | grpc.StatusCode:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        try:
+            async for reply in stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            ):
+                return [s.name for s in reply.list_services_response.service]
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return []
 
+
+async def test_health_and_reflection_stay_open_and_reflection_can_be_turned_off(
+    secured: RunningServer,
+) -> None:
     async with grpc.aio.insecure_channel(secured.address) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    listed = await list_services(secured.address)
+    assert isinstance(listed, list) and "lightning.v1.StoreService" in listed
+    quiet = await start_server(ServerConfig(port=0, grace=0.5, token=TOKEN, reflection=False))
+    try:
+        assert await list_services(quiet.address) == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await quiet.stop()
 
 
 # ---------------------------------------------------------------------- scoping

@@ -60,7 +60,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument(
         "--token",
         default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
-        help="require 'authorization: Bearer TOKEN' (default: $LIGHTNING_GRPC_TOKEN)",
+        help="the admin token: every call but health and reflection then needs a credential "
+        "(this token, or one signed under it; default: $LIGHTNING_GRPC_TOKEN)",
+    )
+    p.add_argument(
+        "--no-reflection",
+        dest="reflection",
+        action="store_false",
+        help="do not serve gRPC reflection (it lists the public contract to anyone, for grpcurl and buf curl)",
     )
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (enables TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
@@ -91,6 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_span_bytes=args.max_span_size,
         gzip_responses=args.gzip,
         grace=args.grace,
+        reflection=args.reflection,
     )
     if proxy_commands.wants_proxy(args):
         return proxy_commands.run_serve_with_proxy(args, config)
@@ -111,7 +119,8 @@ def add_runner_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument(
         "--token",
         default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
-        help="the store's bearer token ($LIGHTNING_GRPC_TOKEN)",
+        help="the admin token, or a runner credential (its worker id becomes the runner's) "
+        "($LIGHTNING_GRPC_TOKEN)",
     )
     p.add_argument("--concurrency", type=int, default=1, help="rollouts run at once in each process")
     p.add_argument(

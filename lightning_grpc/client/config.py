@@ -69,7 +69,7 @@ class ClientConfig:
     """How to reach a lightning-grpc server."""
 
     target: str = "127.0.0.1:4747"
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     tls: TlsConfig | None = None
     retry: RetryConfig | None = field(default_factory=RetryConfig)
     #: Default deadline of a call, in seconds (long-polls add their wait on top).

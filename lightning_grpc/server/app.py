@@ -49,7 +49,8 @@ class ServerConfig:
     port: int = 4747
     #: SQLite file; None for the in-memory backend.
     db: Path | None = None
-    token: str | None = None
+    #: The admin token; None: no authentication (local use). See lightning_grpc.access for the roles.
+    token: str | None = field(default=None, repr=False)
     tls: TlsFiles | None = None
     #: In-memory backend only: evict the oldest finished rollouts above this many bytes.
     max_memory_bytes: int | None = None
@@ -58,6 +59,8 @@ class ServerConfig:
     #: Seconds in-flight calls get to finish on shutdown.
     grace: float = 10.0
     extra_services: Sequence[ServiceHook] = field(default_factory=tuple)
+    #: Serve gRPC reflection (open to anyone, like health: it lists the public contract).
+    reflection: bool = True
 
 
 @dataclass
@@ -187,9 +190,11 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         names.append(name)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
     credentials = None
     if config.tls is not None:
         credentials = grpc.ssl_server_credentials(
