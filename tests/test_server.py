@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -13,9 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
+from lightning_grpc import semconv
+from lightning_grpc.access import Credentials
 from lightning_grpc.client import ClientConfig, RetryConfig, StoreClient, SyncStoreClient, TlsConfig
 from lightning_grpc.errors import ERROR_DOMAIN, UnauthenticatedError, UnavailableError
+from lightning_grpc.runner import Runner, rollout
 from lightning_grpc.server.app import RunningServer, ServerConfig, TlsFiles, start_server
+from lightning_grpc.tracing import emit_reward
 from lightning_grpc.types import RolloutConfig, RolloutStatus
 from lightning_grpc.v1 import store_service_pb2 as pb
 from tests.helpers import make_span, make_spans
@@ -125,6 +130,35 @@ async def test_tls_serves_clients_that_trust_the_ca(tmp_path: Path) -> None:
         async with StoreClient(f"127.0.0.1:{running.port}", retry=None, timeout=2) as plain:
             with pytest.raises(UnavailableError):
                 await plain.statistics()
+    finally:
+        await running.stop()
+
+
+async def test_a_runners_spans_travel_over_tls_with_its_runner_credential(tmp_path: Path) -> None:
+    """The runner's span shipper opens its channel through the client's one factory: TLS and credential."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    files = TlsFiles(cert_chain=tmp_path / "cert.pem", private_key=tmp_path / "key.pem")
+    running = await start_server(ServerConfig(port=0, tls=files, token="s3cret"))
+    tls = TlsConfig(root_certificates=ca.cert_pem.bytes(), server_name_override="localhost")
+    target = f"127.0.0.1:{running.port}"
+    try:
+        async with StoreClient(ClientConfig(target=target, tls=tls, token="s3cret")) as admin:
+            queued = await admin.enqueue_rollout({"q": 1})
+
+            @rollout
+            def agent(task: Any) -> float:
+                emit_reward(0.5)
+                return 0.5
+
+            credential = Credentials("s3cret").runner("tls-worker")
+            runner = Runner(agent, ClientConfig(target=target, tls=tls, token=credential), max_rollouts=1)
+            await runner.run()
+            assert runner.succeeded == 1
+            names = {s.name for s in await admin.query_spans(queued.rollout_id)}
+            assert {semconv.SPAN_ROLLOUT, semconv.SPAN_REWARD} <= names, names
     finally:
         await running.stop()
 
