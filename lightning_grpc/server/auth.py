@@ -4,8 +4,8 @@ The table is :data:`lightning_grpc.access.RULES`; this module enforces it, and n
 
 - :class:`AuthInterceptor` reads the ``authorization`` metadata of every call but health and reflection,
   refuses a missing, wrong or expired credential with UNAUTHENTICATED and a method that has no rule or
-  does not allow the caller's role with PERMISSION_DENIED, and leaves the caller in :data:`CALLER` for the
-  call's handler (gRPC runs the interceptor and the handler in the call's own task).
+  does not allow the caller's role with PERMISSION_DENIED, and runs the call's handler with the caller in
+  :data:`~.caller.CALLER`.
 - The adapter (:mod:`.adapter`) then asks :meth:`AccessControl.authorize` about the request, before the
   servicer sees it, and :meth:`AccessControl.answer` about the response: attempt credentials are attached,
   secrets blanked for every role but admin.
@@ -191,10 +191,45 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 supplied = value
                 break
         try:
-            CALLER.set(self.control.admit(method, supplied))
+            call = self.control.admit(method, supplied)
         except LightningError as exc:
             return _refusing(await continuation(details), exc)
-        return await continuation(details)
+        handler = await continuation(details)
+        return _as_caller(handler, call) if handler is not None else None
+
+
+def _as_caller(handler: grpc.RpcMethodHandler, call: Call) -> grpc.RpcMethodHandler:
+    """The handler, run with :data:`CALLER` set to ``call`` inside the handler itself."""
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary or handler.stream_unary:
+        behaviour: Any = handler.unary_unary or handler.stream_unary
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            CALLER.set(call)
+            return await behaviour(request, context)
+
+        make = (
+            grpc.unary_unary_rpc_method_handler
+            if handler.unary_unary
+            else grpc.stream_unary_rpc_method_handler
+        )
+        return make(unary, **kw)
+    streaming: Any = handler.unary_stream or handler.stream_stream
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        CALLER.set(call)
+        async for message in streaming(request, context):
+            yield message
+
+    make = (
+        grpc.unary_stream_rpc_method_handler
+        if handler.unary_stream
+        else grpc.stream_stream_rpc_method_handler
+    )
+    return make(stream, **kw)
 
 
 def _refusing(handler: grpc.RpcMethodHandler | None, error: LightningError) -> grpc.RpcMethodHandler:
