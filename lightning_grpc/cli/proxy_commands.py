@@ -229,6 +229,8 @@ def run_proxy(args: argparse.Namespace) -> int:
         )
     except InvalidArgumentError as exc:
         raise SystemExit(f"error: {exc.message}") from None
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     except OSError as exc:
         log.error("event=proxy_failed error=%s", exc)
         return 1

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_grpc.access import Credentials
+from lightning_grpc.access import Credentials, credential_claims
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, Reason
@@ -93,6 +93,8 @@ class ProxyCore:
         """
         target = store if store is not None else self.config.store
         token = self.config.token or getattr(target, "token", None)
+        if token and credential_claims(token) is not None:
+            raise ValueError("the proxy needs the Store's admin token, not a runner or attempt credential")
         self.credentials = Credentials(token) if token else None
         self.store = target if isinstance(target, LocalStoreClient) else StoreClient(target)
         self.recorder = SpanRecorder(self.store).start()
