@@ -42,7 +42,7 @@ from lightning_grpc.store.core import MAX_BATCH_SPANS
 from lightning_grpc.v1 import common_pb2, span_pb2
 
 from . import caller
-from .adapter import ServicerState, unary
+from .adapter import ServicerState, Undecodable, unary
 
 log = logging.getLogger("lightning_grpc.server")
 
@@ -281,8 +281,8 @@ def decode_and_group(request: Any, headers: tuple[str, str], rejections: Rejecti
 def parse_request(data: bytes) -> otlp_service.ExportTraceServiceRequest:
     try:
         return otlp_service.ExportTraceServiceRequest.FromString(data)
-    except DecodeError as exc:
-        raise InvalidArgumentError("request", f"is not an OTLP ExportTraceServiceRequest: {exc}") from None
+    except DecodeError:
+        raise Undecodable(otlp_service.ExportTraceServiceRequest.DESCRIPTOR.full_name).error() from None
 
 
 def add_otlp_service(servicer: TraceServicer, server: grpc.aio.Server) -> None:

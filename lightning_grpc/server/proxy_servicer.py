@@ -11,7 +11,7 @@ from lightning_grpc.proxy.core import ProxyCore
 from lightning_grpc.v1 import proxy_service_pb2 as pb
 from lightning_grpc.v1 import proxy_service_pb2_grpc as pb_grpc
 
-from .adapter import unary
+from .adapter import ServicerState, register_service, unary
 from .app import ServiceHook
 
 PROXY_SERVICE = pb.DESCRIPTOR.services_by_name["ProxyService"].full_name
@@ -19,7 +19,7 @@ Ctx = grpc.aio.ServicerContext
 DEFAULT_DRAIN_TIMEOUT = 60.0
 
 
-class ProxyServicer(pb_grpc.ProxyServiceServicer):
+class ProxyServicer(ServicerState, pb_grpc.ProxyServiceServicer):
     def __init__(self, proxy: ProxyCore) -> None:
         self.proxy = proxy
 
@@ -86,7 +86,8 @@ class ProxyServicer(pb_grpc.ProxyServiceServicer):
 
 
 def add_proxy_service(servicer: ProxyServicer, server: grpc.aio.Server) -> None:
-    pb_grpc.add_ProxyServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    """Register ProxyService with the tolerant parsing of every service: bad bytes are INVALID_ARGUMENT."""
+    register_service(pb.DESCRIPTOR.services_by_name["ProxyService"], pb, servicer, server)
 
 
 def service_hook(proxy: ProxyCore) -> ServiceHook:
