@@ -3,6 +3,7 @@ RPC of every service, values that would flood the log, intervals that would floo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -70,3 +71,36 @@ async def test_undecodable_bytes_get_invalid_argument_with_error_info_on_every_r
     assert info.reason == "INVALID_ARGUMENT" and info.metadata["field"] == "request"
     assert (error.details() or "").startswith("request: is not a valid ")  # no Python exception name
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.mark.parametrize("interval", [1e-9, 0.05])
+async def test_a_watcher_cannot_ask_for_progress_messages_faster_than_ten_a_second(
+    everything: RunningServer, interval: float
+) -> None:
+    request = store_service_pb2.WatchRolloutsRequest()
+    request.progress_interval.FromNanoseconds(int(interval * 1e9))
+    async with grpc.aio.insecure_channel(everything.address) as channel:
+        call = channel.unary_stream(
+            "/lightning.v1.StoreService/WatchRollouts",
+            request_serializer=store_service_pb2.WatchRolloutsRequest.SerializeToString,
+            response_deserializer=store_service_pb2.WatchRolloutsResponse.FromString,
+        )(request, timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call:
+                pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (refused.value.details() or "").startswith("progress_interval: must be at least 0.1 s")
+
+
+async def test_the_shortest_progress_interval_allowed_paces_the_watcher(everything: RunningServer) -> None:
+    from lightning_grpc.client import StoreClient
+
+    async with StoreClient(everything.address) as client:
+        count = 0
+        started = asyncio.get_running_loop().time()
+        async for event in client.watch_rollouts(include_progress=True, progress_interval=0.1):
+            assert event.rollout is None
+            count += 1
+            if asyncio.get_running_loop().time() - started > 1.0:
+                break
+    assert 5 <= count <= 15, count  # about ten a second, the first at once

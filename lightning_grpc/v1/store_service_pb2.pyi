@@ -1715,7 +1715,9 @@ class WatchRolloutsRequest(_message.Message):
 
     @_builtins.property
     def progress_interval(self) -> _duration_pb2.Duration:
-        """How often to send a progress message while nothing changes. Unset: 5 s."""
+        """How often to send a progress message while nothing changes. Unset (or zero): 5 s. At least
+        0.1 s: a shorter interval is refused with INVALID_ARGUMENT naming this field.
+        """
 
     def __init__(
         self,

@@ -8,6 +8,9 @@ MAX_BATCH_ROLLOUTS = 10_000
 MAX_BATCH_SPANS = 100_000
 MAX_SPAN_SEQUENCE_RESERVATION = 1_000_000
 MAX_WAIT_SECONDS = 3600.0
+#: The shortest progress interval a watcher may ask for: one watcher must not get thousands of messages a second.
+MIN_PROGRESS_INTERVAL = 0.1
+DEFAULT_PROGRESS_INTERVAL = 5.0
 MAX_ATTEMPTS_LIMIT = 1000
 MAX_WAIT_IDS = 100_000
 MAX_SEQUENCE_ID = 2**62

@@ -9,7 +9,7 @@ from lightning_grpc.errors import InvalidArgumentError, OutOfRangeError, Reason
 from lightning_grpc.types import Rollout, WatchEvent, copy_rollout
 
 from .base import _FinishWaiter
-from .limits import MAX_WAIT_IDS
+from .limits import DEFAULT_PROGRESS_INTERVAL, MAX_WAIT_IDS, MIN_PROGRESS_INTERVAL
 from .staging import SpanStaging
 from .validation import check_wait, rollout_statuses
 
@@ -105,7 +105,13 @@ class WaitingSection(SpanStaging):
         progress_interval: float | None = None,
     ) -> AsyncIterator[WatchEvent]:
         """Rollout changes after ``resume_token`` (or from now), with progress messages while idle."""
-        interval = check_wait(progress_interval, "progress_interval") or 5.0
+        interval = check_wait(progress_interval, "progress_interval") or DEFAULT_PROGRESS_INTERVAL
+        if interval < MIN_PROGRESS_INTERVAL:
+            raise InvalidArgumentError(
+                "progress_interval",
+                f"must be at least {MIN_PROGRESS_INTERVAL:g} s, or unset for {DEFAULT_PROGRESS_INTERVAL:g} s "
+                f"(got {interval:g} s)",
+            )
         ids = set(rollout_ids)
         status_set = rollout_statuses(statuses)
         await self._durable()
