@@ -379,6 +379,11 @@ class Backend:
         """The model name sent to the backend."""
         return self.backend_model or self.model_name
 
+    @property
+    def public_name(self) -> str:
+        """How errors told to agents name the backend: by the model it serves, never by its address."""
+        return f"the backend of model {self.model_name!r}"
+
 
 @dataclass
 class BackendStats:

@@ -469,6 +469,10 @@ async def test_an_unreachable_backend_is_recorded_as_an_error_span(
                 )
             assert failed.value.status_code == 502
             assert failed.value.body["code"] == "backend_unreachable"  # type: ignore[index]
+            # the agent learns which model's backend failed, never where it lives
+            told = json.dumps(failed.value.body)
+            assert "the backend of model 'policy' could not be reached" in told
+            assert "127.0.0.1" not in told and dead not in told
         spans = await llm_spans(store, rid)
         assert len(spans) == 2
         for span in spans:
@@ -833,3 +837,24 @@ async def test_serve_hosts_the_proxy_in_the_store_process(engine: Engine) -> Non
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_an_unreachable_litellm_backend_is_named_by_its_model_to_the_agent(
+    store_server: RunningServer, store: StoreClient
+) -> None:
+    with socket.socket() as sock:  # a port with nothing listening
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    backend = Backend(MODEL, dead, dialect=BackendDialect.OPENAI, api_key="sk-internal")
+    proxy = await LLMProxy(_config(store_server, [backend], retries=0)).start()
+    try:
+        rid, aid = await new_attempt(store)
+        with pytest.raises(openai.APIStatusError) as failed:
+            await agent(proxy, rid, aid).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        told = json.dumps(failed.value.body)
+        assert failed.value.status_code in (502, 504) and "the backend of model 'policy'" in told
+        assert "127.0.0.1" not in told and "sk-internal" not in told
+        [span] = await llm_spans(store, rid)
+        assert span.attributes[semconv.LLM_BACKEND] == dead  # the Store (admins only) keeps where it was
+    finally:
+        await proxy.stop(1)

@@ -302,8 +302,10 @@ class Call:
             status = 504 if exc.timed_out else 502
             rec.http_status = status
             rec.error = f"backend unreachable: {exc}"
+            wait = " in time" if exc.timed_out else ""
+            rec.agent_error = f"{rec.backend.public_name} could not be reached{wait}"
             await self._finish(rec, started)
-            return error_response(status, "backend_unreachable", rec.error, kind="api_error")
+            return error_response(status, "backend_unreachable", rec.agent_error, kind="api_error")
         rec.http_status = upstream.status
         rec.header_policy_version = upstream.policy_version()
         if upstream.stream is not None:
@@ -349,7 +351,13 @@ class Call:
             if done is None:
                 await response.write(
                     sse.encode(
-                        {"error": {"message": rec.error, "type": "api_error", "code": "stream_failed"}}
+                        {
+                            "error": {
+                                "message": rec.agent_error or rec.error,
+                                "type": "api_error",
+                                "code": "stream_failed",
+                            }
+                        }
                     )
                 )
             else:
@@ -381,6 +389,7 @@ class Call:
                     return None, True
         except Exception as exc:  # a cut connection, a timeout, LiteLLM's errors mid-stream
             rec.error = f"the backend stream broke off: {type(exc).__name__}: {exc}"
+            rec.agent_error = f"the stream from {rec.backend.public_name} broke off"
             return None, False
         rec.error = rec.error or "the backend stream ended without [DONE]"
         return None, False

@@ -49,6 +49,9 @@ class CallRecord:
     http_status: int = 0
     header_policy_version: int | None = None
     error: str = ""
+    #: What the agent is told of the error, when that differs from ``error`` (which goes to the span and
+    #: the log): never the backend's address.
+    agent_error: str = ""
     #: The body of an error answer (when the backend answered one).
     error_body: Any = None
     capture: Capture | None = None
