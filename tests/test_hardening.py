@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp_service
 
+from lightning_grpc import semconv
+from lightning_grpc.logs import OneLineFormatter
 from lightning_grpc.proxy import ProxyConfig
 from lightning_grpc.server.app import RunningServer, ServerConfig
 from lightning_grpc.server.proxy_app import start_with_store
@@ -104,3 +107,82 @@ async def test_the_shortest_progress_interval_allowed_paces_the_watcher(everythi
             if asyncio.get_running_loop().time() - started > 1.0:
                 break
     assert 5 <= count <= 15, count  # about ten a second, the first at once
+
+
+# ---------------------------------------------------------------------- logs a caller cannot flood or forge
+
+
+def fields(line: str) -> list[str]:
+    """The keys of a log line's ``key=value`` fields, read as logfmt (a quoted value is one value)."""
+    message = line.split(" ", 4)[-1]  # after the date, time, level and logger
+    return [token.split("=", 1)[0] for token in shlex.split(message) if "=" in token]
+
+
+def formatted(records: list[logging.LogRecord]) -> list[str]:
+    formatter = OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    return [formatter.format(r) for r in records]
+
+
+def otlp_export(rollout_id: str, attempt_id: str) -> bytes:
+    request = otlp_service.ExportTraceServiceRequest()
+    span = request.resource_spans.add().scope_spans.add().spans.add()
+    span.name, span.trace_id, span.span_id = "s", b"\x01" * 16, b"\x02" * 8
+    for key, value in ((semconv.ROLLOUT_ID, rollout_id), (semconv.ATTEMPT_ID, attempt_id)):
+        attr = span.attributes.add()
+        attr.key, attr.value.string_value = key, value
+    return bytes(request.SerializeToString())
+
+
+@pytest.mark.parametrize(
+    "rollout_id",
+    [
+        "ro-" + "x" * (1 << 20),
+        "ro-1\n2026-11-24 00:00:00 ERROR lightning_grpc.server event=forged",
+        "ro-%0Aevent=forged",
+    ],
+    ids=["one-mebibyte", "newline", "field"],
+)
+async def test_an_otlp_export_with_a_hostile_id_writes_a_short_honest_log(
+    everything: RunningServer, rollout_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="lightning_grpc")
+    path = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+    async with grpc.aio.insecure_channel(
+        everything.address, options=[("grpc.max_send_message_length", 8 << 20)]
+    ) as ch:
+        reply = otlp_service.ExportTraceServiceResponse.FromString(
+            await ch.unary_unary(path)(otlp_export(rollout_id, "at-1"), timeout=10)
+        )
+    assert reply.partial_success.rejected_spans == 1  # an unknown attempt
+    assert len(reply.partial_success.error_message) < 2000
+    lines = formatted([r for r in caplog.records if r.name.startswith("lightning_grpc")])
+    assert lines and sum(len(line) for line in lines) < 4000, [len(line) for line in lines]
+    for line in lines:
+        assert "\n" not in line
+        assert fields(line).count("event") == 1, line  # the id cannot pass for a field of its own
+
+
+async def test_a_proxy_pause_reason_and_a_model_name_cannot_flood_the_log(
+    everything: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    import aiohttp
+
+    from lightning_grpc.client import ProxyClient
+
+    caplog.set_level(logging.INFO, logger="lightning_grpc")
+    huge = "r" * (1 << 20) + "\nevent=forged"
+    async with ProxyClient(everything.address) as control:
+        await control.pause(huge)
+        status = await control.status()
+        await control.resume()
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{status.http_address}/v1/chat/completions", json={"model": "m" * (1 << 20), "messages": []}
+        ) as resp,
+    ):
+        body = await resp.text()
+    assert resp.status == 404 and len(body) < 2000
+    lines = formatted([r for r in caplog.records if r.name.startswith("lightning_grpc")])
+    assert lines and max(len(line) for line in lines) < 1000
+    assert all("\n" not in line and fields(line).count("event") == 1 for line in lines)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
 
 from lightning_grpc import logs
 
-log = logging.getLogger("lightning_grpc.engine")
+log = logs.get_logger("lightning_grpc.engine")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

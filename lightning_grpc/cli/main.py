@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from lightning_grpc.cli.inspect import add_store_option
 from lightning_grpc.errors import LightningError
 from lightning_grpc.processes import stop_with_parent
 
-log = logging.getLogger("lightning_grpc.cli")
+log = logs.get_logger("lightning_grpc.cli")
 
 SIZE_UNITS = {
     "": 1,

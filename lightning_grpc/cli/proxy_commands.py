@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import time
 import urllib.error
@@ -19,7 +18,7 @@ from typing import Any
 from lightning_grpc import logs
 from lightning_grpc.cli.inspect import add_store_option
 
-log = logging.getLogger("lightning_grpc.cli")
+log = logs.get_logger("lightning_grpc.cli")
 
 #: How long serve and proxy wait for a backend that is still starting (connection refused) to list its model.
 BACKEND_START_WAIT = 60.0

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
+from lightning_grpc import logs
 from lightning_grpc.convert.framing import stream_request
 from lightning_grpc.errors import (
     AlreadyExistsError,
@@ -236,7 +237,7 @@ class SpanShipper:
         self.linger = linger
         self.max_in_flight = max_in_flight
         self.max_backoff = max_backoff
-        self.log = log or logging.getLogger("lightning_grpc.client")
+        self.log = log or logs.get_logger("lightning_grpc.client")
         self.name = name
         self.stats = ShipperStats()
         self._lock = threading.Lock()
@@ -572,7 +573,7 @@ class SpanStreamer:
         self.max_batch = max_batch
         self.linger = linger
         self.max_in_flight = max_in_flight
-        self._log = log or logging.getLogger("lightning_grpc.tracing")
+        self._log = log or logs.get_logger("lightning_grpc.tracing")
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._failed: BaseException | None = None

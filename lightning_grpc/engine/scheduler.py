@@ -33,7 +33,6 @@ which run on the new weights. Every event carries the policy version that produc
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import os
 import threading
 import time
@@ -45,10 +44,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from lightning_grpc import logs
 from lightning_grpc.engine.protocol import SamplingParams
 from lightning_grpc.engine.text import OutputText
 
-log = logging.getLogger("lightning_grpc.engine")
+log = logs.get_logger("lightning_grpc.engine")
 
 SEED_MIX = 0x9E3779B97F4A7C15
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import socket
 import time
 import uuid
@@ -38,12 +37,13 @@ from typing import Any
 
 from aiohttp import web
 
+from lightning_grpc import logs
 from lightning_grpc.engine import protocol as p
 from lightning_grpc.engine.protocol import EngineError, bad_request
 from lightning_grpc.engine.scheduler import Scheduler, SequenceUpdate, StepEvent, Submission, TokenLogprob
 from lightning_grpc.engine.text import TokenTexts
 
-log = logging.getLogger("lightning_grpc.engine")
+log = logs.get_logger("lightning_grpc.engine")
 
 MIN_LOGPROB = -9999.0
 #: Below this many parameters a forward pass is per-op overhead: the scheduler thread runs torch

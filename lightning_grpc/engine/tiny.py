@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import logging
 import random
 import time
 from collections.abc import Iterator
@@ -23,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("lightning_grpc.engine")
+from lightning_grpc import logs
+
+log = logs.get_logger("lightning_grpc.engine")
 
 ARCHITECTURES = ("qwen2", "llama")
 ENDOFTEXT, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import logging
-
 from aiohttp import web
 
+from lightning_grpc import logs
 from lightning_grpc.client import ClientConfig
 from lightning_grpc.client.local import LocalStoreClient
 
 from .core import ProxyCore
 from .http import build_app
 
-log = logging.getLogger("lightning_grpc.proxy")
+log = logs.get_logger("lightning_grpc.proxy")
 
 
 class LLMProxy(ProxyCore):

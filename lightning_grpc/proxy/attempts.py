@@ -7,15 +7,15 @@ on a rollout's first call, a read of the rollout for its mode (train rollouts ge
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import OrderedDict
 
+from lightning_grpc import logs
 from lightning_grpc.client import StoreClient
 from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.errors import LightningError, NotFoundError, UnavailableError
 from lightning_grpc.types import RolloutMode
 
-log = logging.getLogger("lightning_grpc.proxy")
+log = logs.get_logger("lightning_grpc.proxy")
 
 
 class Refused(Exception):

@@ -8,10 +8,10 @@ It knows nothing of HTTP or gRPC. :mod:`.http` answers the OpenAI-compatible rou
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_grpc import logs
 from lightning_grpc.access import Credentials, credential_claims
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.client.local import LocalStoreClient
@@ -24,7 +24,7 @@ from .litellm_client import LiteLLMClient
 from .recorder import SpanRecorder
 from .upstream import DirectClient, RetryPolicy
 
-log = logging.getLogger("lightning_grpc.proxy")
+log = logs.get_logger("lightning_grpc.proxy")
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,16 @@ without racing the span.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from typing import Any
 
 from aiohttp import web
 
-from lightning_grpc import semconv
+from lightning_grpc import logs, semconv
 from lightning_grpc.access import PROXY_ROUTES, Principal, Role
 from lightning_grpc.errors import LightningError, NotFoundError
+from lightning_grpc.logs import clip
 from lightning_grpc.types import RolloutMode
 
 from . import sse
@@ -42,8 +42,10 @@ from .core import ProxyCore
 from .spans import CallRecord, llm_call_span, trace_context
 from .upstream import BackendUnreachable, UpstreamCall
 
-log = logging.getLogger("lightning_grpc.proxy")
+log = logs.get_logger("lightning_grpc.proxy")
 
+#: Error messages to agents echo what they sent (a model name, ids) at most this long.
+MAX_MESSAGE_CHARS = 1000
 PATHS: dict[Kind, str] = {"chat": "chat/completions", "completion": "completions"}
 LOGPROB_MODES = (RolloutMode.TRAIN, RolloutMode.UNSPECIFIED)
 PROXY_KEY: web.AppKey[ProxyCore] = web.AppKey("proxy", ProxyCore)
@@ -59,7 +61,7 @@ def error_response(
     kind: str = "invalid_request_error",
     headers: dict[str, str] | None = None,
 ) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    body = {"error": {"message": clip(message, MAX_MESSAGE_CHARS), "type": kind, "param": None, "code": code}}
     return web.json_response(body, status=status, headers=headers)
 
 

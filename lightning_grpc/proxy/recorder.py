@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 
-from lightning_grpc import convert, semconv
+from lightning_grpc import convert, logs, semconv
 from lightning_grpc.client import StoreClient
 from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.client.spans import SpanShipper, sink_for
 from lightning_grpc.errors import LightningError, ResourceExhaustedError
 from lightning_grpc.types import Span
 
-log = logging.getLogger("lightning_grpc.proxy")
+log = logs.get_logger("lightning_grpc.proxy")
 
 _ELIDED = "(left out: the span was larger than the Store accepts)"
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,10 +25,12 @@ from typing import Any
 
 import aiohttp
 
+from lightning_grpc import logs
+
 from . import sse
 from .backends import Backend
 
-log = logging.getLogger("lightning_grpc.proxy")
+log = logs.get_logger("lightning_grpc.proxy")
 
 #: Statuses worth another try before anything reached the agent.
 RETRY_STATUSES = frozenset({429, 502, 503, 504})

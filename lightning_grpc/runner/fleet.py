@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 import multiprocessing
 import os
 import signal
@@ -21,7 +20,7 @@ from lightning_grpc.errors import LightningError
 from .agent import LitAgent, rollout
 from .runner import Runner, default_worker_id, run_forever
 
-log = logging.getLogger("lightning_grpc.runner")
+log = logs.get_logger("lightning_grpc.runner")
 
 
 def load_agent(ref: str) -> LitAgent:

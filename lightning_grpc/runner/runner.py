@@ -6,7 +6,6 @@ import asyncio
 import contextvars
 import functools
 import inspect
-import logging
 import os
 import signal
 import socket
@@ -21,7 +20,7 @@ from typing import Any
 
 from opentelemetry.trace import Status, StatusCode
 
-from lightning_grpc import semconv
+from lightning_grpc import logs, semconv
 from lightning_grpc.access import Role, credential_claims
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.errors import FailedPreconditionError, LightningError, NotFoundError
@@ -41,7 +40,7 @@ from .agent import rollout as make_agent
 from .llm import close_shared_http_client
 from .stats import system_snapshot
 
-log = logging.getLogger("lightning_grpc.runner")
+log = logs.get_logger("lightning_grpc.runner")
 
 
 def _worker_of(token: str | None) -> str:

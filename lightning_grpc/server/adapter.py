@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -18,6 +17,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from lightning_grpc import logs
 from lightning_grpc.errors import (
     ERROR_DOMAIN,
     STATUS_OF,
@@ -27,10 +27,11 @@ from lightning_grpc.errors import (
     Reason,
     UnavailableError,
 )
+from lightning_grpc.logs import clip
 
 from . import caller
 
-log = logging.getLogger("lightning_grpc.server")
+log = logs.get_logger("lightning_grpc.server")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -40,18 +41,14 @@ MAX_MESSAGE_CHARS = 1000
 MAX_METADATA_CHARS = 200
 
 
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def status_for(error: LightningError) -> grpc.Status:
     """The rich status of a domain error. Echoed values are clipped: details travel in headers."""
     code = grpc.StatusCode[STATUS_OF.get(type(error), error.code_name)]
-    metadata = {k: _clip(v, MAX_METADATA_CHARS) for k, v in error.metadata.items()}
+    metadata = {k: clip(v, MAX_METADATA_CHARS) for k, v in error.metadata.items()}
     info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    message = _clip(error.message, MAX_MESSAGE_CHARS)
+    message = clip(error.message, MAX_MESSAGE_CHARS)
     return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import logging
 import signal
 import socket
 from collections.abc import Callable, Sequence
@@ -16,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from lightning_grpc import logs
 from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
 from lightning_grpc.trainer import TrainerCore
 from lightning_grpc.v1 import store_service_pb2
@@ -26,7 +26,7 @@ from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
 from .store_servicer import StoreServicer, add_store_service, check_duration
 from .trainer_servicer import TRAINER_SERVICE, TrainerServicer, add_trainer_service, span_reader
 
-log = logging.getLogger("lightning_grpc.server")
+log = logs.get_logger("lightning_grpc.server")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 STORE_SERVICE = store_service_pb2.DESCRIPTOR.services_by_name["StoreService"].full_name

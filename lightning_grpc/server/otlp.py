@@ -16,7 +16,6 @@ so that exporters retry, which is safe because a resent span is stored once.
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -28,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otl
 from opentelemetry.proto.common.v1 import common_pb2 as otlp_common
 from opentelemetry.proto.trace.v1 import trace_pb2 as otlp_trace
 
-from lightning_grpc import convert, semconv
+from lightning_grpc import convert, logs, semconv
 from lightning_grpc.convert.spans import SCOPE_NAME, SCOPE_VERSION, MalformedIdError, otlp_span_to_pb
 from lightning_grpc.convert.values import otlp_attributes_to_pb, otlp_value_to_pb
 from lightning_grpc.errors import (
@@ -37,6 +36,7 @@ from lightning_grpc.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from lightning_grpc.logs import clip
 from lightning_grpc.store import SpanRecord, Store
 from lightning_grpc.store.core import MAX_BATCH_SPANS
 from lightning_grpc.v1 import common_pb2, span_pb2
@@ -44,7 +44,7 @@ from lightning_grpc.v1 import common_pb2, span_pb2
 from . import caller
 from .adapter import ServicerState, Undecodable, unary
 
-log = logging.getLogger("lightning_grpc.server")
+log = logs.get_logger("lightning_grpc.server")
 
 Ctx = grpc.aio.ServicerContext
 TRACE_SERVICE = otlp_service.DESCRIPTOR.services_by_name["TraceService"].full_name
@@ -144,6 +144,7 @@ class Rejections:
         self.counts: dict[str, int] = {}
 
     def add(self, count: int, why: str) -> None:
+        why = clip(why)  # it may echo an id the exporter sent
         self.counts[why] = self.counts.get(why, 0) + count
 
     @property

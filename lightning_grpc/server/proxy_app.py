@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from lightning_grpc import logs
 from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.proxy.app import LLMProxy
 from lightning_grpc.proxy.core import ProxyConfig
@@ -23,7 +23,7 @@ from .app import RunningServer, ServerConfig, listen, start_server
 from .auth import interceptors_for
 from .proxy_servicer import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
-log = logging.getLogger("lightning_grpc.proxy")
+log = logs.get_logger("lightning_grpc.proxy")
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import queue
 import sqlite3
 import threading
@@ -21,11 +20,13 @@ from typing import Any
 import sqlite_utils
 from sqlite_utils import Migrations
 
+from lightning_grpc import logs
+
 from . import rows
 from .backend import SpanQuery
 from .state import Change, LoadedState, SpanRecord, Txn
 
-log = logging.getLogger("lightning_grpc.store.sqlite")
+log = logs.get_logger("lightning_grpc.store.sqlite")
 
 migrations = Migrations("lightning_grpc.store")
 INT64_MAX = 2**63 - 1

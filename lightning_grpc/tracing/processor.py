@@ -10,19 +10,17 @@ like the agent's own. At span end it converts the span
 
 from __future__ import annotations
 
-import logging
-
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
-from lightning_grpc import semconv
+from lightning_grpc import logs, semconv
 from lightning_grpc.client.config import ClientConfig
 from lightning_grpc.client.spans import SpanStreamer
 from lightning_grpc.convert.spans import otel_span_to_pb
 
 from .context import current_attempt
 
-log = logging.getLogger("lightning_grpc.tracing")
+log = logs.get_logger("lightning_grpc.tracing")
 
 #: The SDK span conversion, under the name this package gave it.
 span_to_message = otel_span_to_pb

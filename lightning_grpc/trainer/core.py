@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import math
 import time
 import uuid
@@ -19,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_grpc import logs
 from lightning_grpc.adapter import Aggregated, RolloutTriplets, rows_from_triplets
 from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason, UnavailableError
 from lightning_grpc.store import Store
@@ -39,7 +39,7 @@ from .groups import (
 )
 from .options import MAX_GROUPS, BatchOptions
 
-log = logging.getLogger("lightning_grpc.trainer")
+log = logs.get_logger("lightning_grpc.trainer")
 
 MAX_SAMPLES = 10_000
 MAX_GROUP_SIZE = 1024

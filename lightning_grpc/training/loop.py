@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import random
 import shutil
 import subprocess
@@ -32,7 +31,7 @@ import aiohttp
 import psutil
 import torch
 
-from lightning_grpc import semconv
+from lightning_grpc import logs, semconv
 from lightning_grpc.algorithm import final_reward
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
 from lightning_grpc.client.proxy import ProxyClient
@@ -47,7 +46,7 @@ from .services import Services, start_runners, start_services
 if TYPE_CHECKING:
     from lightning_grpc.client.trainer import TrainingBatch
 
-log = logging.getLogger("lightning_grpc.trainer")
+log = logs.get_logger("lightning_grpc.trainer")
 
 PRINTED = (
     "reward_mean",

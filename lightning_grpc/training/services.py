@@ -3,15 +3,15 @@ fleet. Each is started here as a ``lightning-grpc`` child process unless the exp
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_grpc import logs
 from lightning_grpc.processes import Background, child_env, log_field
 
 from .experiment import ExperimentConfig
 
-log = logging.getLogger("lightning_grpc.trainer")
+log = logs.get_logger("lightning_grpc.trainer")
 
 CLI = ["-m", "lightning_grpc.cli.main"]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_grpc import logs
 from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason, UnavailableError
 from lightning_grpc.types import Rollout, RolloutStatus, Worker, copy_rollout
 
@@ -16,7 +16,7 @@ from ..backend import Backend
 from ..state import AttemptState, Change, ResourcesState, RolloutState, Txn, WorkerState
 from .validation import check_timeout
 
-log = logging.getLogger("lightning_grpc.store")
+log = logs.get_logger("lightning_grpc.store")
 
 
 @dataclass

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 
+from lightning_grpc import logs
 from lightning_grpc.errors import FailedPreconditionError, InvalidArgumentError, Reason
 from lightning_grpc.types import DeleteResult, Statistics
 
 from ..state import Txn
 from .staging import SpanStaging
 
-log = logging.getLogger("lightning_grpc.store")
+log = logs.get_logger("lightning_grpc.store")
 
 
 class HousekeepingSection(SpanStaging):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-
+from lightning_grpc import logs
 from lightning_grpc.errors import Reason, ResourceExhaustedError
 from lightning_grpc.types import DeleteResult
 
@@ -11,7 +10,7 @@ from ..state import RolloutState, Txn
 from .base import StoreBase
 from .limits import ATTEMPT_OVERHEAD_BYTES, ROLLOUT_OVERHEAD_BYTES
 
-log = logging.getLogger("lightning_grpc.store")
+log = logs.get_logger("lightning_grpc.store")
 
 
 class MemoryBound(StoreBase):

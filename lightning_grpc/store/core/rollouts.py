@@ -6,12 +6,12 @@ import asyncio
 import hashlib
 import itertools
 import json
-import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, ClassVar
 
+from lightning_grpc import logs
 from lightning_grpc.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError, Reason
 from lightning_grpc.types import (
     AttemptStatus,
@@ -39,7 +39,7 @@ from .validation import (
     rollout_statuses,
 )
 
-log = logging.getLogger("lightning_grpc.store")
+log = logs.get_logger("lightning_grpc.store")
 
 
 class RolloutsSection(SpanStaging):

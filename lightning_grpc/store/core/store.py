@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from collections.abc import Callable
 from typing import Any
 
+from lightning_grpc import logs
 from lightning_grpc.types import Attempt, Rollout
 
 from ..state import LoadedState, SpanRecord
@@ -23,7 +23,7 @@ from .waiting import WaitingSection
 from .watchdog import WatchdogSection
 from .workers import WorkersSection
 
-log = logging.getLogger("lightning_grpc.store")
+log = logs.get_logger("lightning_grpc.store")
 
 
 class Store(

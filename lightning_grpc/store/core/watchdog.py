@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import logging
 
+from lightning_grpc import logs
 from lightning_grpc.types import AttemptStatus
 
 from ..state import Txn
 from .staging import SpanStaging
 
-log = logging.getLogger("lightning_grpc.store")
+log = logs.get_logger("lightning_grpc.store")
 
 
 class WatchdogSection(SpanStaging):
