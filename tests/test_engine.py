@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -73,10 +74,15 @@ async def chat(client: openai.AsyncOpenAI, **kwargs: Any) -> Any:
     return await client.chat.completions.create(**body, extra_body=extra)
 
 
-async def post(engine: EngineServer, path: str, body: Any) -> tuple[int, Any, Any]:
+async def post(engine: EngineServer, path: str, body: Any, key: str | None = None) -> tuple[int, Any, Any]:
+    """POST to the engine; the admin routes get the engine's admin key unless ``key`` says otherwise."""
+    key = engine.admin_key if key is None and path.startswith("/admin/") else key
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with (
         aiohttp.ClientSession() as session,
-        session.post(engine.url + path, data=body if isinstance(body, str) else json.dumps(body)) as resp,
+        session.post(
+            engine.url + path, data=body if isinstance(body, str) else json.dumps(body), headers=headers
+        ) as resp,
     ):
         return resp.status, await resp.json(), resp.headers
 
@@ -518,3 +524,47 @@ async def test_init_model_cli_then_an_engine_subprocess(
     assert data["policy_version"] == 0
     assert engine.proc is not None and engine.proc.returncode == 0
     assert any("event=engine_stopped" in line for line in engine.lines)
+
+
+# ---------------------------------------------------------------- the admin routes need the admin key
+async def test_load_weights_needs_the_admin_key_which_the_engine_wrote_where_only_its_user_reads_it(
+    engine: EngineServer, model_dir: Path, client: openai.AsyncOpenAI
+) -> None:
+    version = engine.policy_version
+    for key in ("", "wrong-key", "EMPTY"):
+        status, data, _ = await post(engine, "/admin/load_weights", {"path": str(model_dir)}, key=key or "")
+        assert status == 401 and "admin key" in data["error"]["message"], (key, data)
+    assert engine.policy_version == version
+    # no key was configured: one was made at start and written to a file only this user can read
+    assert engine.admin_key_file is not None
+    assert engine.admin_key_file.read_text().strip() == engine.admin_key
+    assert stat.S_IMODE(engine.admin_key_file.stat().st_mode) == 0o600
+    status, data, _ = await post(
+        engine, "/admin/load_weights", {"path": str(model_dir), "policy_version": version + 3}
+    )
+    assert status == 200 and data["policy_version"] == version + 3
+    # inference stays open on loopback when no API key is set
+    assert (await chat(client, max_tokens=2)).model_dump()["policy_version"] == version + 3
+
+
+async def test_an_api_key_also_guards_the_admin_routes_unless_an_admin_key_is_given(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    server = await start_engine(model_dir, served_model_name=MODEL, api_key="infer-key")
+    try:
+        assert server.admin_key == "infer-key" and server.admin_key_file is None
+        status, _, _ = await post(server, "/admin/load_weights", {"path": str(model_dir)}, key="infer-key")
+        assert status == 200
+    finally:
+        await server.stop()
+    keyfile = tmp_path / "keys" / "engine.admin-key"
+    server = await start_engine(
+        model_dir, served_model_name=MODEL, api_key="infer-key", admin_key="admin-key", admin_key_file=keyfile
+    )
+    try:
+        status, _, _ = await post(server, "/admin/load_weights", {"path": str(model_dir)}, key="infer-key")
+        assert status == 401
+        status, _, _ = await post(server, "/admin/load_weights", {"path": str(model_dir)}, key="admin-key")
+        assert status == 200 and not keyfile.exists()  # a given key is never written anywhere
+    finally:
+        await server.stop()

@@ -106,12 +106,16 @@ def test_async_mode_carries_groups_over_and_drops_stale_calls(tmp_path: Path, ti
     assert sum(float(r.get("drop_stale_policy") or 0) for r in history) > 0
 
 
-def test_a_run_trains_through_services_already_running(tmp_path: Path, tiny_model: Path) -> None:
+def test_a_run_trains_through_services_already_running(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """[services] names a running store+proxy and engine, and agent.processes = 0 leaves the agents to a
-    runner started by the user: the run starts nothing, and trains through them."""
+    runner started by the user: the run starts nothing, and trains through them (with the engine's admin
+    key, which the user gives it in $LIGHTNING_GRPC_ENGINE_ADMIN_KEY)."""
     engine = EngineProcess(
         tiny_model, served_model_name="policy", extra_args=["--threads", "1"], env=QUIET_ENV
     ).start()
+    monkeypatch.setenv("LIGHTNING_GRPC_ENGINE_ADMIN_KEY", engine.admin_key)
     started: list[Background] = []
     try:
         server = Background(

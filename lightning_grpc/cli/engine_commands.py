@@ -50,7 +50,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         "--max-prefill-tokens", type=_positive_int, default=16384, help="padded prompt tokens per prefill"
     )
     p.add_argument("--policy-version", type=int, default=0, help="the version reported until a reload")
-    p.add_argument("--api-key", default=os.environ.get("LIGHTNING_GRPC_ENGINE_API_KEY"))
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LIGHTNING_GRPC_ENGINE_API_KEY"),
+        help="required on the inference routes ($LIGHTNING_GRPC_ENGINE_API_KEY; default: open, for loopback)",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("LIGHTNING_GRPC_ENGINE_ADMIN_KEY"),
+        help="required on /admin/load_weights ($LIGHTNING_GRPC_ENGINE_ADMIN_KEY; default: --api-key, "
+        "else a new key written to --admin-key-file)",
+    )
+    p.add_argument(
+        "--admin-key-file",
+        type=Path,
+        help="where a generated admin key is written, mode 0600 "
+        "(default: lightning-grpc-engine-PORT.admin-key in the temp directory)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument(
         "--threads",
@@ -103,6 +119,8 @@ def run_engine(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
         policy_version=args.policy_version,
         api_key=args.api_key or None,
+        admin_key=args.admin_key or None,
+        admin_key_file=args.admin_key_file,
         dtype=args.dtype,
         threads=args.threads,
     )

@@ -11,6 +11,7 @@ The process logs one line per event on stdout; ``start`` reads them until ``even
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ class EngineProcess:
         max_batch_size: int | None = None,
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        admin_key: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -40,7 +42,15 @@ class EngineProcess:
         if max_batch_size:
             self.args += ["--max-batch-size", str(max_batch_size)]
         self.args += extra_args or []
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+        #: The key of the engine's /admin routes (made here unless given; passed in the environment).
+        self.admin_key = admin_key or secrets.token_urlsafe(32)
+        self.env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            **(env or {}),
+            "LIGHTNING_GRPC_ENGINE_ADMIN_KEY": self.admin_key,
+        }
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []
         self._drainer: threading.Thread | None = None

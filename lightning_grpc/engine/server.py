@@ -25,8 +25,12 @@ requests have finished (requests that arrive meanwhile wait, then run on the new
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import os
+import secrets
 import socket
+import tempfile
 import time
 import uuid
 from collections import OrderedDict
@@ -70,7 +74,13 @@ class EngineConfig:
     max_batch_size: int = 64
     max_prefill_tokens: int = 16384
     policy_version: int = 0
-    api_key: str | None = None
+    #: Required on the inference routes when set (without one they are open, for loopback use).
+    api_key: str | None = field(default=None, repr=False)
+    #: Required on the admin routes (/admin/*), always. None: ``api_key`` when set, else one is generated at
+    #: start and written to ``admin_key_file`` (mode 0600), whose path is logged.
+    admin_key: str | None = field(default=None, repr=False)
+    #: Where a generated admin key is written (default: lightning-grpc-engine-PORT.admin-key in the temp dir).
+    admin_key_file: Path | None = None
     dtype: str = "float32"
     #: torch intra-op threads of the scheduler thread (None: 1 for a small model, else torch's default).
     threads: int | None = None
@@ -176,6 +186,10 @@ class EngineServer:
         self._weights_lock = asyncio.Lock()
         self._started_at = int(time.time())
         self._model_class: Any = None
+        #: The key /admin/* requires (set at start; see EngineConfig.admin_key).
+        self.admin_key = config.admin_key or config.api_key or ""
+        #: Where a generated admin key was written, if one was.
+        self.admin_key_file: Path | None = None
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -220,9 +234,13 @@ class EngineServer:
         self.scheduler.start()
         try:
             await self._listen()
+            if not self.admin_key:
+                self.admin_key, self.admin_key_file = self._generate_admin_key()
         except BaseException:
             await loop.run_in_executor(None, self.scheduler.close)
             raise
+        if self.admin_key_file is not None:
+            log.info("event=engine_admin_key_written file=%s", self.admin_key_file)
         log.info(
             "event=engine_started address=%s:%d model=%s served_model_name=%s policy_version=%d "
             "max_batch_size=%d max_model_len=%d params=%d seconds=%.2f",
@@ -247,6 +265,20 @@ class EngineServer:
         # Two tokenizers: the event loop encodes while the scheduler thread decodes, and a fast
         # tokenizer must not be used from two threads at once.
         return load_model(path, self.config.dtype), load_tokenizer(path), load_tokenizer(path)
+
+    def _generate_admin_key(self) -> tuple[str, Path]:
+        """A fresh admin key, written where only this user can read it."""
+        key = secrets.token_urlsafe(32)
+        path = (
+            self.config.admin_key_file
+            or Path(tempfile.gettempdir()) / f"lightning-grpc-engine-{self.port}.admin-key"
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            os.fchmod(out.fileno(), 0o600)  # also when the file was there before with wider permissions
+            out.write(key + "\n")
+        return key, path
 
     async def _listen(self) -> None:
         app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
@@ -368,8 +400,17 @@ class EngineServer:
             return web.json_response(error.body(), status=500)
 
     def _authorize(self, request: web.Request) -> None:
+        supplied = request.headers.get("Authorization", "").encode()
+        if request.path.startswith("/admin/"):
+            if not hmac.compare_digest(supplied, f"Bearer {self.admin_key}".encode()):
+                raise EngineError(
+                    "the admin routes need the engine's admin key as 'Authorization: Bearer KEY' "
+                    "(--admin-key, or the file the engine logged at start)",
+                    status=401,
+                )
+            return
         key = self.config.api_key
-        if key and request.path != "/health" and request.headers.get("Authorization") != f"Bearer {key}":
+        if key and request.path != "/health" and not hmac.compare_digest(supplied, f"Bearer {key}".encode()):
             raise EngineError("invalid or missing API key", status=401)
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -426,7 +426,13 @@ class TrainingRun:
             async with self.http.post(
                 f"{self.services.engine_url}/admin/load_weights",
                 json={"path": str(path.resolve()), "policy_version": self.policy_version},
+                headers={"Authorization": f"Bearer {self.services.engine_admin_key}"},
             ) as resp:
+                if resp.status == 401:
+                    raise RuntimeError(
+                        "the engine refused the new weights: its admin key is needed; set "
+                        "$LIGHTNING_GRPC_ENGINE_ADMIN_KEY to it (the engine logs the file it wrote it to)"
+                    )
                 if resp.status != 200:
                     raise RuntimeError(
                         f"the engine refused the new weights: {resp.status} {await resp.text()}"

@@ -3,6 +3,8 @@ fleet. Each is started here as a ``lightning-grpc`` child process unless the exp
 
 from __future__ import annotations
 
+import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,9 @@ class Services:
     engine_url: str
     started: list[Background] = field(default_factory=list)
     runners: Background | None = None
+    #: The engine's admin key (for /admin/load_weights): made for an engine this run starts, else taken
+    #: from $LIGHTNING_GRPC_ENGINE_ADMIN_KEY.
+    engine_admin_key: str = field(default="", repr=False)
 
     def check_alive(self) -> None:
         """Raise when a process this run started has exited."""
@@ -69,7 +74,9 @@ def start_services(
     started: list[Background] = []
     try:
         engine_url = svc.engine
+        admin_key = os.environ.get("LIGHTNING_GRPC_ENGINE_ADMIN_KEY", "")
         if not engine_url and start_engine:
+            admin_key = secrets.token_urlsafe(32)  # handed to the child in its environment, not its arguments
             engine = Background(
                 "engine",
                 [
@@ -88,7 +95,7 @@ def start_services(
                     "--max-batch-size",
                     str(max(64, config.agent.concurrency * config.agent.processes)),
                 ],
-                _env(svc.engine_threads),
+                {**_env(svc.engine_threads), "LIGHTNING_GRPC_ENGINE_ADMIN_KEY": admin_key},
             )
             started.append(engine)
             engine_url = "http://" + log_field(
@@ -130,7 +137,7 @@ def start_services(
             raise RuntimeError(
                 "services.proxy must name the running proxy's HTTP address when services.store is set"
             )
-        return Services(store, _http(proxy_url), proxy_grpc, engine_url, started)
+        return Services(store, _http(proxy_url), proxy_grpc, engine_url, started, engine_admin_key=admin_key)
     except BaseException:
         for process in reversed(started):
             process.stop(timeout=10)
