@@ -13,6 +13,8 @@ import grpc
 import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp_service
 
@@ -28,6 +30,8 @@ SERVICES = (
     trainer_service_pb2.DESCRIPTOR.services_by_name["TrainerService"],
     proxy_service_pb2.DESCRIPTOR.services_by_name["ProxyService"],
     otlp_service.DESCRIPTOR.services_by_name["TraceService"],
+    health_pb2.DESCRIPTOR.services_by_name["Health"],
+    reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
 )
 METHODS = [(f"/{s.full_name}/{m.name}", m) for s in SERVICES for m in s.methods]
 #: Not a protobuf message: a field key promising a length-delimited field longer than what follows.

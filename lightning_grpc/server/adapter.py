@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -213,6 +214,48 @@ _HANDLER_KINDS = {
 }
 
 
+async def _refusing_undecodable(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for message in requests:
+        if isinstance(message, Undecodable):
+            raise message.error()
+        yield message
+
+
+def guarded(fn: Callable[..., Any], client_streaming: bool) -> Callable[..., Any]:
+    """A handler of a servicer this project did not write (health, reflection), made to refuse
+    undecodable requests as ours do: INVALID_ARGUMENT with an ErrorInfo.
+
+    Works for handlers that are coroutines (answering, or writing with ``context.write``) and for
+    async generators.
+    """
+
+    def checked(request: Any) -> Any:
+        if client_streaming:
+            return _refusing_undecodable(request)
+        if isinstance(request, Undecodable):
+            raise request.error()
+        return request
+
+    if inspect.isasyncgenfunction(fn):
+
+        async def stream_handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(checked(request), context):
+                    yield item
+            except LightningError as exc:
+                await abort(context, exc)
+
+        return stream_handler
+
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(checked(request), context)
+        except LightningError as exc:
+            await abort(context, exc)
+
+    return handler
+
+
 def register_service(
     service: Any,
     messages: Any,
@@ -221,20 +264,25 @@ def register_service(
     *,
     raw_requests: dict[str, Any] | None = None,
     raw_responses: set[str] | frozenset[str] = frozenset(),
+    foreign: bool = False,
 ) -> None:
     """Register a service as the generated helper does, but with tolerant request parsing.
 
     ``messages`` is the generated module holding the request and response classes;
     ``raw_requests`` replaces some request classes (wire views), and methods in ``raw_responses``
-    answer with bytes already serialized.
+    answer with bytes already serialized. A ``foreign`` servicer (health, reflection: methods not wrapped
+    in :func:`unary` or :func:`streaming`) has its handlers wrapped by :func:`guarded`.
     """
     handlers = {}
     for method in service.methods:
         request_class = (raw_requests or {}).get(method.name) or getattr(messages, method.input_type.name)
         response_class = getattr(messages, method.output_type.name)
         make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        behaviour = getattr(servicer, method.name)
+        if foreign:
+            behaviour = guarded(behaviour, method.client_streaming)
         handlers[method.name] = make(
-            getattr(servicer, method.name),
+            behaviour,
             request_deserializer=tolerant_parser(request_class),
             response_serializer=None if method.name in raw_responses else response_class.SerializeToString,
         )

@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from lightning_grpc import logs
 from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
 from lightning_grpc.trainer import TrainerCore
 from lightning_grpc.v1 import store_service_pb2
 
-from .adapter import ServicerState
+from .adapter import ServicerState, register_service
 from .auth import interceptors_for
 from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
 from .store_servicer import StoreServicer, add_store_service, check_duration
@@ -102,6 +102,25 @@ class RunningServer:
         await self.trainer.close()
         await self.store.close()
         log.info("event=server_stopped address=%s", self.address)
+
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
+REFLECTION_SERVICE = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+
+
+def add_health_and_reflection(
+    server: grpc.aio.Server, names: Sequence[str], *, with_reflection: bool = True
+) -> HealthServicer:
+    """gRPC health checking and (unless turned off) server reflection listing ``names`` and themselves,
+    parsing requests as every other service does; returns the health servicer, whose statuses the caller
+    sets."""
+    health = HealthServicer()
+    register_service(HEALTH_SERVICE, health_pb2, health, server, foreign=True)
+    if with_reflection:
+        listed = (*names, HEALTH_SERVICE.full_name, REFLECTION_SERVICE.full_name)
+        servicer = reflection.aio.ReflectionServicer(listed)
+        register_service(REFLECTION_SERVICE, reflection_pb2, servicer, server, foreign=True)
+    return health
 
 
 def make_store(config: ServerConfig) -> Store:
@@ -188,13 +207,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     for name, add in config.extra_services:
         add(server)
         names.append(name)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    if config.reflection:
-        reflection.enable_server_reflection(
-            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
+    health = add_health_and_reflection(server, names, with_reflection=config.reflection)
     credentials = None
     if config.tls is not None:
         credentials = grpc.ssl_server_credentials(

@@ -10,16 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from lightning_grpc import logs
 from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.proxy.app import LLMProxy
 from lightning_grpc.proxy.core import ProxyConfig
 
-from .app import RunningServer, ServerConfig, listen, start_server
+from .app import RunningServer, ServerConfig, add_health_and_reflection, listen, start_server
 from .auth import interceptors_for
 from .proxy_servicer import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
@@ -53,10 +52,7 @@ async def start_proxy_server(
     proxy = await LLMProxy(config).start()
     server = grpc.aio.server(interceptors=interceptors_for(token, None))
     add_proxy_service(ProxyServicer(proxy), server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection((PROXY_SERVICE, health_name, reflection.SERVICE_NAME), server)
+    health = add_health_and_reflection(server, [PROXY_SERVICE])
     try:
         port = listen(server, grpc_host, grpc_port)
     except OSError:
