@@ -31,8 +31,9 @@ log = logs.get_logger("lightning_grpc.server")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 STORE_SERVICE = store_service_pb2.DESCRIPTOR.services_by_name["StoreService"].full_name
 
-#: Extra services hosted by the same server: (full service name, function adding it to a server).
-ServiceHook = tuple[str, Callable[[grpc.aio.Server], None]]
+#: Extra services hosted by the same server: (full service name, function adding it to a server and
+#: returning its servicer, which the drain then covers).
+ServiceHook = tuple[str, Callable[[grpc.aio.Server], ServicerState]]
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     servicers: list[ServicerState] = [store_servicer, trace_servicer, trainer_servicer]
     names = [STORE_SERVICE, TRACE_SERVICE, TRAINER_SERVICE]
     for name, add in config.extra_services:
-        add(server)
+        servicers.append(add(server))
         names.append(name)
     health = add_health_and_reflection(server, names, with_reflection=config.reflection)
     credentials = None

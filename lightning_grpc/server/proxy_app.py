@@ -34,6 +34,7 @@ class RunningProxy:
     health: HealthServicer
     grpc_port: int
     grpc_host: str
+    servicer: ProxyServicer
 
     @property
     def grpc_address(self) -> str:
@@ -41,6 +42,7 @@ class RunningProxy:
 
     async def stop(self, grace: float = 10.0) -> None:
         await self.health.enter_graceful_shutdown()
+        self.servicer.drain()  # new ProxyService calls are refused with UNAVAILABLE
         await self.proxy.stop(grace)
         await self.server.stop(grace)
 
@@ -51,7 +53,8 @@ async def start_proxy_server(
     """Start the proxy's HTTP side, then its gRPC server; returns once both listen."""
     proxy = await LLMProxy(config).start()
     server = grpc.aio.server(interceptors=interceptors_for(token, None))
-    add_proxy_service(ProxyServicer(proxy), server)
+    servicer = ProxyServicer(proxy)
+    add_proxy_service(servicer, server)
     health = add_health_and_reflection(server, [PROXY_SERVICE])
     try:
         port = listen(server, grpc_host, grpc_port)
@@ -62,7 +65,7 @@ async def start_proxy_server(
     for name in ("", PROXY_SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("event=proxy_grpc_started grpc_address=%s:%d http_address=%s", grpc_host, port, proxy.base_url)
-    return RunningProxy(proxy, server, health, port, grpc_host)
+    return RunningProxy(proxy, server, health, port, grpc_host, servicer)
 
 
 async def start_with_store(

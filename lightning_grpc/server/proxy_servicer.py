@@ -94,8 +94,9 @@ def service_hook(proxy: ProxyCore) -> ServiceHook:
     """``(name, add)`` for ``ServerConfig.extra_services``: host ProxyService on the Store's server."""
     servicer = ProxyServicer(proxy)
 
-    def add(server: grpc.aio.Server) -> None:
+    def add(server: grpc.aio.Server) -> ProxyServicer:
         add_proxy_service(servicer, server)
+        return servicer
 
     return PROXY_SERVICE, add
 
