@@ -181,10 +181,14 @@ def server(
             proc.kill()
 
 
-def ours(name: str, db: Path | None) -> Any:
+def ours(name: str, db: Path | None, *extra: str) -> Any:
     where = ["--db", str(db)] if db else ["--memory"]
-    argv = [PY, "-m", "lightning_grpc.cli.main", "serve", "--port", "0", *where]
+    argv = [PY, "-m", "lightning_grpc.cli.main", "serve", "--port", "0", *where, *extra]
     return server(name, argv, re.compile(r"event=server_started address=127\.0\.0\.1:(\d+)"))
+
+
+#: SQLite with synchronous=NORMAL (``lightning_grpc_sqlite`` runs the default, FULL).
+SQLITE_NORMAL = "lightning_grpc_sqlite_normal"
 
 
 def ceiling() -> Any:
@@ -315,6 +319,11 @@ def one_run(sizes: Sizes, workdir: Path, index: int, log: Any) -> dict[str, Any]
         log(f"run {index}: {name}, training batch (fresh server)")
         with ours(name, db and db.with_suffix(".trainer.db")) as srv:
             run[name]["results"]["trainer_batch"] = run_trainer_batch(srv, sizes)
+    # the same store workloads on SQLite with synchronous=NORMAL, against the default (FULL) above
+    log(f"run {index}: {SQLITE_NORMAL}")
+    with ours(SQLITE_NORMAL, workdir / f"run{index}.normal.db", "--sqlite-sync", "normal") as srv:
+        results = run_grpc_store(srv, sizes, setup=True)
+        run[SQLITE_NORMAL] = {"results": results, "peak_rss_mib": round(srv.rss.peak / 2**20, 1)}
     if sizes.agl and AGL_PY.exists():
         log(f"run {index}: agentlightning")
         with agl() as srv:
@@ -515,6 +524,14 @@ def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
         "span_ingest_w8_vs_ceiling_memory_unary64": vs_ceiling[0],
         "span_ingest_w8_vs_ceiling_memory_stream64": vs_ceiling[1],
         "span_ingest_w8_vs_agl_sqlite": ratio(best_ours_sql, agl_best),
+        # what synchronous=FULL (the default) keeps of NORMAL's throughput, on SQLite
+        "sqlite_full_vs_normal_span_ingest": ratio(
+            w8("lightning_grpc_sqlite", "stream64"), w8(SQLITE_NORMAL, "stream64")
+        ),
+        "sqlite_full_vs_normal_rollout_cycle": ratio(
+            figure(run, "lightning_grpc_sqlite", "rollout_cycle/k32", "rollouts_per_s"),
+            figure(run, SQLITE_NORMAL, "rollout_cycle/k32", "rollouts_per_s"),
+        ),
         "rollout_cycle_k32_vs_agl_memory": ratio(
             figure(run, "lightning_grpc_memory", "rollout_cycle/k32", "rollouts_per_s"),
             figure(run, "agentlightning", "rollout_cycle/k32", "rollouts_per_s"),
@@ -605,7 +622,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {goal['name']} | {_fmt(goal['value'], 2)} | {goal['target']} | {'yes' if goal['met'] else 'no'} |"
         )
     lines += ["", "| workload | system | figure | runs |", "|---|---|---|---|"]
-    systems = ["agentlightning", "ceiling", "lightning_grpc_memory", "lightning_grpc_sqlite"]
+    systems = ["agentlightning", "ceiling", "lightning_grpc_memory", "lightning_grpc_sqlite", SQLITE_NORMAL]
     keys: list[str] = []
     for run in runs:
         for system in systems:
@@ -749,6 +766,19 @@ def goals(ratios: dict[str, float | None], latency: float | None, rss: float | N
             r["rollout_cycle_k32_vs_agl_memory"],
             "≥ 10",
             (r["rollout_cycle_k32_vs_agl_memory"] or 0) >= 10,
+        ),
+        goal(
+            "SQLite synchronous=FULL (the default) ÷ NORMAL, span ingest W=8 stream64 and rollout cycle K=32 "
+            "(the worse)",
+            worst([r.get("sqlite_full_vs_normal_span_ingest"), r.get("sqlite_full_vs_normal_rollout_cycle")]),
+            "≥ 0.75",
+            (
+                worst(
+                    [r.get("sqlite_full_vs_normal_span_ingest"), r.get("sqlite_full_vs_normal_rollout_cycle")]
+                )
+                or 0
+            )
+            >= 0.75,
         ),
         goal("completion latency p99 (ms)", latency, "≤ 50", (latency if latency is not None else 1e9) <= 50),
         goal(

@@ -50,6 +50,7 @@ class Reason(enum.StrEnum):
     SEQUENCE_IDS_EXHAUSTED = "SEQUENCE_IDS_EXHAUSTED"
     SPAN_TOO_LARGE = "SPAN_TOO_LARGE"
     STORE_MEMORY_FULL = "STORE_MEMORY_FULL"
+    STORE_OUT_OF_SPACE = "STORE_OUT_OF_SPACE"
     STORAGE_FAILED = "STORAGE_FAILED"
     STORE_CLOSED = "STORE_CLOSED"
     # the server and its clients
@@ -68,8 +69,9 @@ class Reason(enum.StrEnum):
 
 
 #: Reasons that make an error worth retrying although its status code alone does not: the
-#: in-memory store frees room as rollouts are deleted, so a memory-full write can succeed later.
-TRANSIENT_REASONS: frozenset[str] = frozenset({Reason.STORE_MEMORY_FULL})
+#: in-memory store frees room as rollouts are deleted, and a disk gets space back, so a write refused
+#: for either can succeed later.
+TRANSIENT_REASONS: frozenset[str] = frozenset({Reason.STORE_MEMORY_FULL, Reason.STORE_OUT_OF_SPACE})
 
 
 class LightningError(Exception):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import random
 import signal
@@ -709,3 +710,101 @@ async def test_sigterm_ends_open_streams_and_waits_at_once_with_a_status_that_sa
     assert stopped_after < 5, f"the drain took {stopped_after:.1f} s with streams open (grace {grace} s)"
     for code, details in endings:
         assert code == "UNAVAILABLE" and "shutting down" in details, endings
+
+
+# ---------------------------------------------------------------------- a full disk
+
+
+async def test_a_full_disk_refuses_writes_loses_nothing_acknowledged_and_recovers(tmp_path: Path) -> None:
+    """The database stops growing (SQLite's page limit, as a full disk does): writes are refused with
+    RESOURCE_EXHAUSTED (STORE_OUT_OF_SPACE), the write caught in the failing commit with UNAVAILABLE and
+    held, reads answer UNAVAILABLE rather than hang; once there is room the held write is stored, new
+    writes succeed without a restart, and everything acknowledged before is still there."""
+    from lightning_grpc.client import StoreClient
+    from lightning_grpc.errors import ResourceExhaustedError, UnavailableError
+    from lightning_grpc.server.app import ServerConfig, start_server
+    from lightning_grpc.store.sqlite import SqliteBackend
+    from tests.helpers import make_spans
+
+    db = tmp_path / "full.db"
+    running = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    backend = running.store.backend
+    assert isinstance(backend, SqliteBackend)
+    client = StoreClient(running.address, retry=None, timeout=10)
+    try:
+        acknowledged = [
+            r.rollout_id for r in await client.enqueue_rollouts([{"input": i} for i in range(20)])
+        ]
+        [claimed] = await client.dequeue_rollouts(worker_id="w")
+        assert claimed.latest_attempt is not None
+        rid, aid = claimed.rollout_id, claimed.latest_attempt.attempt_id
+        await client.add_spans(make_spans(10), rollout_id=rid, attempt_id=aid)
+
+        backend.set_max_bytes(db.stat().st_size)  # no more room
+        big = make_spans(40)
+        for span in big:
+            span.attributes["blob"] = "x" * 20_000
+        with pytest.raises(UnavailableError) as held:
+            await client.add_spans(big, rollout_id=rid, attempt_id=aid)
+        assert held.value.reason == "STORE_OUT_OF_SPACE" and held.value.transient
+        assert backend.out_of_space
+        for write in (
+            lambda: client.enqueue_rollouts([{"input": "more"}]),
+            lambda: client.heartbeat_attempt(rid, aid),
+            lambda: client.add_spans(make_spans(1), rollout_id=rid, attempt_id=aid),
+        ):
+            with pytest.raises(ResourceExhaustedError) as refused:
+                await write()
+            assert refused.value.reason == "STORE_OUT_OF_SPACE" and refused.value.transient
+            assert "disk is full" in refused.value.message
+        with pytest.raises(UnavailableError) as unread:
+            await client.statistics()
+        assert unread.value.reason == "STORE_OUT_OF_SPACE"
+        assert not running.store._broken  # out of space is not a broken store
+
+        backend.set_max_bytes(None)  # space returns
+        deadline = time.monotonic() + 10
+        while backend.out_of_space and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not backend.out_of_space
+        stats = await client.statistics()
+        assert stats.total_spans == 50  # the held batch was written, once
+        more = await client.enqueue_rollouts([{"input": "after"}])
+        await client.complete_attempt(rid, aid, "succeeded")
+    finally:
+        await client.close()
+        await running.stop()
+
+    # everything acknowledged is on disk: a new server on the same file finds it
+    again = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    client = StoreClient(again.address, retry=None)
+    try:
+        found = {r.rollout_id for r in await client.query_rollouts()}
+        assert set(acknowledged) <= found and more[0].rollout_id in found
+        assert len(await client.query_spans(rid)) == 50
+        assert (await client.get_rollout(rid)).status.name == "SUCCEEDED"
+    finally:
+        await client.close()
+        await again.stop()
+
+
+async def test_the_sync_level_is_an_explicit_option_and_full_is_the_default(tmp_path: Path) -> None:
+    import sqlite3
+
+    from lightning_grpc.server.app import ServerConfig, start_server
+
+    for level, expected in ((None, 2), ("normal", 1), ("full", 2)):  # PRAGMA synchronous: 1 NORMAL, 2 FULL
+        config = ServerConfig(port=0, db=tmp_path / f"{level}.db", grace=0.5)
+        if level:
+            config = dataclasses.replace(config, sqlite_sync=level)
+        running = await start_server(config)
+        try:
+            conn = running.store.backend._write_conn  # type: ignore[attr-defined]
+            assert conn.execute("PRAGMA synchronous").fetchone()[0] == expected
+        finally:
+            await running.stop()
+    with pytest.raises(ValueError, match="synchronous must be one of full, normal"):
+        from lightning_grpc.store.sqlite import SqliteBackend
+
+        SqliteBackend(tmp_path / "x.db", synchronous="sometimes")
+    del sqlite3

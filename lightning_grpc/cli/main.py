@@ -55,6 +55,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument(
         "--max-memory", type=parse_size, help="in-memory backend: evict oldest finished rollouts above this"
     )
+    p.add_argument(
+        "--sqlite-sync",
+        choices=("full", "normal"),
+        default="full",
+        help="full: an acknowledged write survives a power loss; normal: it survives a crash of the server "
+        "process, but a power loss may lose the last commits (faster on slow disks)",
+    )
+    p.add_argument(
+        "--max-db-size",
+        type=parse_size,
+        help="SQLite: the largest the database may grow; writes beyond it are refused as on a full disk",
+    )
     p.add_argument("--max-span-size", type=parse_size, default=16 * 1024 * 1024, help="largest span accepted")
     p.add_argument(
         "--token",
@@ -94,6 +106,8 @@ def run_serve(args: argparse.Namespace) -> int:
         token=args.token or None,
         tls=tls,
         max_memory_bytes=args.max_memory,
+        sqlite_sync=args.sqlite_sync,
+        max_db_bytes=args.max_db_size,
         max_span_bytes=args.max_span_size,
         gzip_responses=args.gzip,
         grace=args.grace,

@@ -55,6 +55,11 @@ class ServerConfig:
     tls: TlsFiles | None = None
     #: In-memory backend only: evict the oldest finished rollouts above this many bytes.
     max_memory_bytes: int | None = None
+    #: SQLite only: "full" (an acknowledged write survives a power loss) or "normal" (it survives a crash of
+    #: the server process; a power loss may lose the last commits). See lightning_grpc.store.sqlite.
+    sqlite_sync: str = "full"
+    #: SQLite only: the largest the database may grow; beyond it writes are refused as on a full disk.
+    max_db_bytes: int | None = None
     max_span_bytes: int = 16 * 1024 * 1024
     gzip_responses: bool = False
     #: Seconds in-flight calls get to finish on shutdown.
@@ -125,7 +130,11 @@ def add_health_and_reflection(
 
 
 def make_store(config: ServerConfig) -> Store:
-    backend = SqliteBackend(config.db) if config.db is not None else MemoryBackend()
+    backend = (
+        SqliteBackend(config.db, synchronous=config.sqlite_sync, max_bytes=config.max_db_bytes)
+        if config.db is not None
+        else MemoryBackend()
+    )
     return Store(
         backend,
         max_memory_bytes=config.max_memory_bytes,

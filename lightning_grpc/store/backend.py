@@ -51,6 +51,9 @@ class Backend(Protocol):
     name: str
     #: True when span bodies live in this process's memory (memory accounting applies).
     in_memory: bool
+    #: True while the backend cannot commit for want of space (a full disk, a database at its size
+    #: limit): the store then refuses new writes, and the backend keeps retrying what it holds.
+    out_of_space: bool
 
     async def open(self) -> LoadedState: ...
 
@@ -76,6 +79,7 @@ class MemoryBackend:
 
     name = "memory"
     in_memory = True
+    out_of_space = False
 
     def __init__(self) -> None:
         # rollout_id -> attempt_no -> spans (kept sorted by sequence id on read)

@@ -1,8 +1,17 @@
-"""The durable backend: SQLite through sqlite-utils, WAL, synchronous=NORMAL, one writer thread.
+"""The durable backend: SQLite through sqlite-utils, WAL, one writer thread.
 
 The writer drains every change submitted while it was busy and commits them together (group
-commit); each submitter's future resolves only after that commit, so an acknowledged write
-survives a crash of the server process.
+commit); each submitter's future resolves only after that commit. What an acknowledged write survives
+depends on the sync level (:data:`SYNC_LEVELS`):
+
+- ``full`` (the default): SQLite syncs the write-ahead log to the disk at every commit, so an
+  acknowledged write survives a crash of the server process, of the operating system, and a power loss.
+- ``normal``: the log is synced only at checkpoints. An acknowledged write survives a crash of the
+  server process (``kill -9``); a crash of the host or a power loss may lose the last commits.
+
+When a commit fails for want of space (a full disk, or the database at ``max_bytes``), nothing of it is
+acknowledged: the writer keeps the batch and tries it again, with back-off, until space returns, while
+:attr:`SqliteBackend.out_of_space` tells the store to refuse new writes.
 """
 
 from __future__ import annotations
@@ -135,15 +144,53 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+#: SQLite's ``synchronous`` setting for each sync level this backend offers.
+SYNC_LEVELS = {"full": "FULL", "normal": "NORMAL"}
+DEFAULT_SYNC = "full"
+#: SQLite's own largest page count: no limit.
+_NO_PAGE_LIMIT = 4294967294
+#: How long the writer waits before trying a batch again while out of space (doubling up to the second).
+_FULL_RETRY = (0.1, 2.0)
+
+
+def _is_full(exc: BaseException) -> bool:
+    """Whether SQLite failed for want of space (SQLITE_FULL: the disk, or max_page_count)."""
+    return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "database or disk is full" in str(
+        exc
+    )
+
+
 class SqliteBackend:
-    """Durable storage in one SQLite file."""
+    """Durable storage in one SQLite file.
+
+    ``synchronous``: ``"full"`` (the default) or ``"normal"`` (see the module's docstring). ``max_bytes``:
+    the largest the database may grow (None: as large as the disk allows); beyond it, writes are refused
+    as on a full disk.
+    """
 
     name = "sqlite"
     in_memory = False
 
-    def __init__(self, path: str | Path, *, change_retention: int = 10_000) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        change_retention: int = 10_000,
+        synchronous: str = DEFAULT_SYNC,
+        max_bytes: int | None = None,
+    ) -> None:
+        if synchronous not in SYNC_LEVELS:
+            raise ValueError(f"synchronous must be one of {', '.join(SYNC_LEVELS)} (got {synchronous!r})")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive (got {max_bytes})")
         self.path = Path(path)
         self.change_retention = change_retention
+        self.synchronous = synchronous
+        self.max_bytes = max_bytes
+        #: True while commits fail for want of space (see the module's docstring).
+        self.out_of_space = False
+        self._closing = threading.Event()
+        self._applied_page_limit: int | None = None
         self._queue: queue.Queue[tuple[list[tuple[str, Any]], asyncio.Future[None]] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,7 +207,7 @@ class SqliteBackend:
         conn = _connect(self.path)
         db = sqlite_utils.Database(conn)
         db.enable_wal()
-        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(f"PRAGMA synchronous={SYNC_LEVELS[self.synchronous]}")
         migrations.apply(db)
         self._write_conn = conn
         state = self._load(db)
@@ -168,8 +215,9 @@ class SqliteBackend:
         self._writer = threading.Thread(target=self._write_loop, name="lightning-sqlite-writer", daemon=True)
         self._writer.start()
         log.info(
-            "event=sqlite_opened path=%s rollouts=%d spans=%d",
+            "event=sqlite_opened path=%s synchronous=%s rollouts=%d spans=%d",
             self.path,
+            self.synchronous,
             len(state.rollouts),
             state.total_spans,
         )
@@ -287,18 +335,61 @@ class SqliteBackend:
                     stop = True
                     break
                 batch.append(nxt)
-            error: BaseException | None = None
-            try:
-                with conn:
-                    for ops, _ in batch:
-                        self._apply(conn, ops)
-            except BaseException as exc:  # resolve every waiter, then keep serving
-                log.error("event=sqlite_commit_failed error=%r", exc)
-                error = exc
+            error = self._commit(conn, batch)
             assert self._loop is not None
             for _, fut in batch:
                 self._loop.call_soon_threadsafe(_resolve, fut, error)
         conn.close()
+
+    def set_max_bytes(self, max_bytes: int | None) -> None:
+        """Change the size limit while running (None: none); the writer applies it before its next commit."""
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive (got {max_bytes})")
+        self.max_bytes = max_bytes
+
+    def _commit(self, conn: sqlite3.Connection, batch: list[Any]) -> BaseException | None:
+        """Commit a batch of submissions in one transaction; returns the error that ended it, if any.
+
+        Out of space, the transaction is rolled back and tried again, with back-off, until it commits
+        (or the backend closes): the batch's submitters wait, and nothing is acknowledged before it is
+        written.
+        """
+        delay = _FULL_RETRY[0]
+        while True:
+            try:
+                self._apply_page_limit(conn)
+                with conn:
+                    for ops, _ in batch:
+                        self._apply(conn, ops)
+            except BaseException as exc:
+                if _is_full(exc) and not self._closing.is_set():
+                    if not self.out_of_space:
+                        log.error(
+                            "event=sqlite_out_of_space path=%s waiting=%d error=%s",
+                            self.path,
+                            len(batch),
+                            exc,
+                        )
+                    self.out_of_space = True
+                    self._closing.wait(delay)
+                    delay = min(delay * 2, _FULL_RETRY[1])
+                    continue
+                log.error("event=sqlite_commit_failed error=%r", exc)  # resolve every waiter, keep serving
+                return exc
+            if self.out_of_space:
+                self.out_of_space = False
+                log.info("event=sqlite_space_returned path=%s committed=%d", self.path, len(batch))
+            return None
+
+    def _apply_page_limit(self, conn: sqlite3.Connection) -> None:
+        if self.max_bytes is None:
+            pages = _NO_PAGE_LIMIT
+        else:
+            page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+            pages = max(1, self.max_bytes // page_size)
+        if pages != self._applied_page_limit:
+            conn.execute(f"PRAGMA max_page_count={pages}")
+            self._applied_page_limit = pages
 
     def _apply(self, conn: sqlite3.Connection, ops: list[tuple[str, Any]]) -> None:
         for kind, payload in ops:
@@ -404,6 +495,7 @@ class SqliteBackend:
 
     async def close(self) -> None:
         if self._writer is not None:
+            self._closing.set()  # a batch waiting for space gives up: its writes were never acknowledged
             self._queue.put(None)
             await asyncio.get_running_loop().run_in_executor(None, self._writer.join)
             self._writer = None

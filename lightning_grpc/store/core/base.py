@@ -9,7 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_grpc import logs
-from lightning_grpc.errors import InvalidArgumentError, NotFoundError, Reason, UnavailableError
+from lightning_grpc.errors import (
+    InvalidArgumentError,
+    LightningError,
+    NotFoundError,
+    Reason,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from lightning_grpc.types import Rollout, RolloutStatus, Worker, copy_rollout
 
 from ..backend import Backend
@@ -17,6 +24,25 @@ from ..state import AttemptState, Change, ResourcesState, RolloutState, Txn, Wor
 from .validation import check_timeout
 
 log = logs.get_logger("lightning_grpc.store")
+
+
+def _out_of_space_now(held: bool) -> UnavailableError:
+    if held:
+        why = (
+            "the store's disk filled up while this write was being stored: it is held, and written once "
+            "space returns; send it again (same ids) to learn its outcome"
+        )
+    else:
+        why = "the store is waiting for disk space to store earlier writes; read again once there is room"
+    return UnavailableError(why, reason=Reason.STORE_OUT_OF_SPACE)
+
+
+def _out_of_space() -> ResourceExhaustedError:
+    return ResourceExhaustedError(
+        "the store's disk is full (or the database at its size limit): writes are refused until space "
+        "returns; everything acknowledged is stored, and what was in flight is written once there is room",
+        reason=Reason.STORE_OUT_OF_SPACE,
+    )
 
 
 @dataclass
@@ -118,6 +144,8 @@ class StoreBase:
             raise UnavailableError("the store is shutting down", reason=Reason.STORE_CLOSED)
         if self._broken is not None:
             raise UnavailableError(f"the store cannot write: {self._broken}", reason=Reason.STORAGE_FAILED)
+        if self.backend.out_of_space:
+            raise _out_of_space()
 
     async def _apply(self, tx: Txn) -> None:
         """Persist ``tx`` and return once it (and everything submitted before it) is durable."""
@@ -132,7 +160,17 @@ class StoreBase:
             return
         self._last_commit = fut
         fut.add_done_callback(lambda f: self._on_commit_done(f, tx))
-        await asyncio.shield(fut)
+        await self._until_committed(fut, held=True)
+
+    async def _until_committed(self, fut: asyncio.Future[None], *, held: bool = False) -> None:
+        """Wait for a commit, unless the backend is out of space: then answer at once (UNAVAILABLE), never
+        waiting for space to return (``held``: this call's own write, which the backend keeps and writes
+        later; else a read, which must not show what is not stored yet)."""
+        while not fut.done():
+            if self.backend.out_of_space:
+                raise _out_of_space_now(held)
+            await asyncio.wait((fut,), timeout=0.25)
+        fut.result()
 
     def _on_commit_done(self, fut: asyncio.Future[None], tx: Txn) -> None:
         if fut.cancelled():
@@ -164,7 +202,9 @@ class StoreBase:
         fut = self._last_commit
         if fut is not None and not fut.done():
             try:
-                await asyncio.shield(fut)
+                await self._until_committed(fut)
+            except LightningError:
+                raise
             except Exception as exc:
                 raise UnavailableError(
                     f"the store cannot write: {exc}", reason=Reason.STORAGE_FAILED

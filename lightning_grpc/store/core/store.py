@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_grpc import logs
+from lightning_grpc.errors import LightningError
 from lightning_grpc.types import Attempt, Rollout
 
 from ..state import LoadedState, SpanRecord
@@ -119,7 +120,11 @@ class Store(
                 await task
             except asyncio.CancelledError:
                 pass
-        await self._durable()
+        try:
+            await self._durable()
+        except LightningError as exc:
+            # out of space: what is held was never acknowledged, and the backend drops it
+            log.warning("event=store_closed_with_writes_unstored reason=%s", exc.reason)
         await self.backend.close()
         log.info("event=store_closed backend=%s", self.backend.name)
 
