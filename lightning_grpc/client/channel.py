@@ -6,6 +6,7 @@ the whole :class:`~.config.ClientConfig`: TLS, the bearer token, retries, keepal
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -40,3 +41,14 @@ def make_channel(config: ClientConfig) -> grpc.aio.Channel:
 def call_metadata(config: ClientConfig) -> Metadata:
     """The metadata of every call: the bearer token, when there is one."""
     return (("authorization", f"Bearer {config.token}"),) if config.token else ()
+
+
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close a stopped event loop that channels ran on, after the tasks gRPC left on it (a call's status
+    reader, say) have been cancelled and have ended, so none is destroyed while still pending."""
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()

@@ -50,7 +50,7 @@ from lightning_grpc.errors import (
 )
 from lightning_grpc.v1 import store_service_pb2 as pb
 
-from .channel import Metadata, call_metadata, make_channel
+from .channel import Metadata, call_metadata, close_loop, make_channel
 from .config import ClientConfig
 from .errors import from_rpc_error
 
@@ -637,7 +637,7 @@ class SpanStreamer:
         try:
             self._loop.run_forever()
         finally:
-            self._loop.close()
+            close_loop(self._loop)
 
     async def _start(self) -> None:
         self._channel = make_channel(self.config)

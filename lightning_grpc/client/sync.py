@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .channel import close_loop
 from .config import ClientConfig
 from .store import StoreClient
 from .trainer import TrainerClient
@@ -54,7 +55,7 @@ class _SyncClient:
             self._run(self._client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
-            self._loop.close()
+            close_loop(self._loop)
 
     def __enter__(self) -> Any:
         return self
