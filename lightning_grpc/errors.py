@@ -34,6 +34,8 @@ class Reason(enum.StrEnum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     INTERNAL = "INTERNAL"
     UNKNOWN = "UNKNOWN"
+    #: the dashboard's gateway: a path that names no procedure, or a streaming form browsers cannot use
+    UNIMPLEMENTED = "UNIMPLEMENTED"
     # the store
     ROLLOUT_NOT_FOUND = "ROLLOUT_NOT_FOUND"
     ROLLOUT_ALREADY_EXISTS = "ROLLOUT_ALREADY_EXISTS"

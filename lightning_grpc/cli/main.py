@@ -88,8 +88,34 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     p.add_argument("--log-level", default="INFO")
+    add_dashboard_options(p)
     proxy_commands.add_serve_options(p)
     p.set_defaults(func=run_serve)
+
+
+def add_dashboard_options(p: argparse.ArgumentParser) -> None:
+    """``serve``'s dashboard: its HTTP server (a Connect gateway to the services, and the built frontend)."""
+    group = p.add_argument_group("dashboard (served unless --no-dashboard)")
+    group.add_argument(
+        "--dashboard-port",
+        type=int,
+        metavar="PORT",
+        default=None,
+        help="the dashboard's HTTP port, on --host (default: 4750, or any free port when 4750 is taken; "
+        "0: any free port)",
+    )
+    group.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="do not serve the dashboard (the browser's way to the services, behind the same credentials)",
+    )
+    group.add_argument(
+        "--dashboard-assets",
+        type=Path,
+        metavar="DIR",
+        help="the built dashboard (index.html and its assets; default: the one installed with the package)",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -112,6 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
         gzip_responses=args.gzip,
         grace=args.grace,
         reflection=args.reflection,
+        companions=dashboard_companions(args),
     )
     if proxy_commands.wants_proxy(args):
         return proxy_commands.run_serve_with_proxy(args, config)
@@ -121,6 +148,14 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("event=server_failed error=%s", exc)
         return 1
     return 0
+
+
+def dashboard_companions(args: argparse.Namespace) -> tuple[Any, ...]:
+    if not args.dashboard:
+        return ()
+    from lightning_grpc.dashboard import DashboardConfig, companion
+
+    return (companion(DashboardConfig(port=args.dashboard_port, assets=args.dashboard_assets)),)
 
 
 def add_runner_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

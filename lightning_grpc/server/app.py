@@ -6,7 +6,7 @@ import asyncio
 import errno
 import signal
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,11 @@ STORE_SERVICE = store_service_pb2.DESCRIPTOR.services_by_name["StoreService"].fu
 #: Extra services hosted by the same server: (full service name, function adding it to a server and
 #: returning its servicer, which the drain then covers).
 ServiceHook = tuple[str, Callable[[grpc.aio.Server], ServicerState]]
+
+#: Something that runs beside the server and calls it (the dashboard's HTTP gateway): started, given the
+#: server, once it listens; returns the coroutine function that stops it, which the drain awaits after
+#: the server's calls have ended and before the server stops.
+Companion = Callable[["RunningServer"], Awaitable[Callable[[], Awaitable[None]]]]
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class ServerConfig:
     extra_services: Sequence[ServiceHook] = field(default_factory=tuple)
     #: Serve gRPC reflection (open to anyone, like health: it lists the public contract).
     reflection: bool = True
+    companions: Sequence[Companion] = field(default_factory=tuple)
 
 
 @dataclass
@@ -80,6 +86,8 @@ class RunningServer:
     service_names: tuple[str, ...]
     #: Servicers whose calls the drain waits for (extra services may add theirs).
     servicers: list[ServicerState] = field(default_factory=list)
+    #: How to stop each started companion (see :data:`Companion`).
+    companion_stops: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -104,6 +112,8 @@ class RunningServer:
         left = sum(s.in_flight for s in self.servicers)
         if left:
             log.warning("event=server_drain_timeout address=%s calls_cancelled=%d", self.address, left)
+        while self.companion_stops:
+            await self.companion_stops.pop()()
         await self.server.stop(0.2)
         await self.trainer.close()
         await self.store.close()
@@ -241,7 +251,14 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         config.tls is not None,
         bool(config.token),
     )
-    return RunningServer(server, store, trainer, health, port, config, tuple(names), servicers)
+    running = RunningServer(server, store, trainer, health, port, config, tuple(names), servicers)
+    for companion in config.companions:
+        try:
+            running.companion_stops.append(await companion(running))
+        except BaseException:
+            await running.stop()
+            raise
+    return running
 
 
 async def serve(config: ServerConfig, ready: Callable[[RunningServer], None] | None = None) -> None:
