@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto proto-check lint breaking typecheck test pytest demo bench clean
+.PHONY: setup proto proto-check lint breaking typecheck test pytest demo bench clean ts-setup ts-proto ts-test demo-ts
 
 setup: $(STAMP)
 
@@ -35,14 +35,37 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-test: lint breaking proto-check typecheck pytest
+test: lint breaking proto-check typecheck pytest ts-test
+
+# The TypeScript client (clients/typescript): npm ci from the lockfile, the generated code's freshness,
+# the type-check and build, then node's test runner against real servers (a TypeScript agent trained).
+TS := clients/typescript
+TS_STAMP := $(TS)/node_modules/.installed
+
+ts-setup: $(TS_STAMP)
+
+$(TS_STAMP): $(TS)/package-lock.json
+	cd $(TS) && npm ci --no-audit --no-fund --loglevel=error
+	touch $(TS_STAMP)
+
+ts-proto: $(STAMP) $(TS_STAMP)
+	bash $(TS)/scripts/generate.sh
+
+ts-test: $(STAMP) $(TS_STAMP)
+	bash $(TS)/scripts/generate.sh --check
+	cd $(TS) && npm run --silent typecheck && npm run --silent build && npm test
+
+# The demo with its agent and runner in TypeScript (examples/combination_lock/typescript.toml).
+demo-ts: $(STAMP) $(TS_STAMP)
+	cd $(TS) && npm run --silent build
+	$(BIN)/lightning-grpc train examples/combination_lock/typescript.toml
 
 # The main job: GRPO trains a tiny model to open a combination lock, through the whole system on CPU.
 demo: $(STAMP)
 	$(BIN)/lightning-grpc train examples/combination_lock/config.toml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache $(TS)/node_modules $(TS)/dist
 
 # Breaking-change check of the contract against the latest release tag (skipped before the first release).
 breaking: $(STAMP)

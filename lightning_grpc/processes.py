@@ -14,15 +14,30 @@ from collections.abc import Mapping, Sequence
 class Background:
     """A child process whose output (stdout and stderr together) a thread reads line by line."""
 
-    def __init__(self, name: str, args: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        cwd: str | os.PathLike[str] | None = None,
+        python: bool = True,
+    ) -> None:
+        """``args`` are this Python's arguments (``python=False``: a whole command line of any program)."""
         self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**env, PARENT_ENV: str(os.getpid())},
-        )
+        if not python and not args:
+            raise ValueError(f"{name}: an empty command")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, *args] if python else list(args),
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**env, PARENT_ENV: str(os.getpid())},
+            )
+        except OSError as exc:  # a command that is not there, or not executable
+            raise RuntimeError(f"{name}: cannot start {next(iter(args))!r}: {exc.strerror or exc}") from None
         self.lines: list[str] = []
         self._closed = False
         self._changed = threading.Condition()

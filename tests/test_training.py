@@ -191,6 +191,8 @@ def test_the_config_file_is_checked_and_names_the_key(tmp_path: Path) -> None:
         "[data]\ngroup_size = 'x'": "data.group_size",
         "[nonsense]\na = 1": "[nonsense]",
         "[agent]\nagent = 'nocolon'": "agent.agent",
+        "[agent]\nagent = 'm:a'\ncommand = ['node', 'r.js']\ntrain_tasks = 't.jsonl'\n[model]\npath = 'm'": "agent.agent",
+        "[agent]\ncommand = 'node r.js'\ntrain_tasks = 't.jsonl'\n[model]\npath = 'm'": "agent.command",
     }
     base = '[agent]\nagent = "m:a"\ntrain_tasks = "t.jsonl"\n[model]\npath = "m"\n'
     for text, named in bad.items():
@@ -203,3 +205,17 @@ def test_the_config_file_is_checked_and_names_the_key(tmp_path: Path) -> None:
         json.dumps({"agent": {"agent": "m:a", "train_tasks": "t.jsonl"}, "model": {"path": "m"}})
     )
     assert load_experiment(tmp_path / "c.yaml").agent.agent == "m:a"
+    (tmp_path / "c.toml").write_text(
+        '[agent]\ncommand = ["node", "runner.js"]\ntrain_tasks = "t.jsonl"\n[model]\npath = "m"\n'
+    )
+    assert load_experiment(tmp_path / "c.toml").agent.command == ("node", "runner.js")
+
+
+def test_an_agent_command_that_cannot_start_is_named(tmp_path: Path, tiny_model: Path) -> None:
+    """agent.command runs a runner in any language; one that is not there fails the run at once, naming it
+    (the TypeScript runner's training run is clients/typescript/test/training.test.ts)."""
+    config = experiment(
+        tmp_path, tiny_model, agent={"agent": "", "command": ["no-such-runner-binary", "--x"]}
+    )
+    with pytest.raises(RuntimeError, match="cannot start 'no-such-runner-binary'"):
+        run_experiment(config, progress=False)

@@ -2,9 +2,10 @@
 
     [experiment]              name, output_dir, seed, steps, mode ("sync" | "async"), async_groups,
                               max_staleness
-    [agent]                   agent ("module:name"), train_tasks / val_tasks (JSONL files, paths relative
-                              to the config file), processes (0: runners started elsewhere serve the
-                              store named in [services]), concurrency
+    [agent]                   agent ("module:name"), or command (a runner in any language, as an argument
+                              list run from the config file's folder), train_tasks / val_tasks (JSONL
+                              files, paths relative to the config file), processes (0: runners started
+                              elsewhere serve the store named in [services]), concurrency
     [model]                   path (a Hugging Face model directory), init (build the tiny local model there
                               when missing), served_name
     [data]                    group_size, batch_size (groups per step), max_prompt_length,
@@ -61,6 +62,9 @@ class ExperimentSection:
 @dataclass(frozen=True)
 class AgentSection:
     agent: str = ""
+    #: A runner written in another language, started instead of the Python runner: its argument list, run
+    #: from the config file's folder with the store's address (and credential) in its environment.
+    command: tuple[str, ...] = ()
     train_tasks: str = ""
     val_tasks: str = ""
     processes: int = 1
@@ -242,11 +246,12 @@ def _typed(where: str, hint: Any, value: Any) -> Any:
         return float(value)
     elif (hint is int or text == "int") and isinstance(value, int) and not isinstance(value, bool):
         return value
-    elif "tuple[str" in text and isinstance(value, list | tuple):
-        if all(isinstance(v, str) for v in value):
+    elif "tuple[str" in text:
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
             return tuple(value)
-    elif "tuple" in text and isinstance(value, list | tuple):
-        return tuple(float(v) for v in value)
+    elif "tuple" in text:
+        if isinstance(value, list | tuple):
+            return tuple(float(v) for v in value)
     elif (hint is str or "str" in text or "Literal" in text) and isinstance(value, str):
         return value
     raise ConfigError(
@@ -257,7 +262,11 @@ def _typed(where: str, hint: Any, value: Any) -> Any:
 def check_experiment(c: ExperimentConfig) -> None:
     """Refuse what cannot run, naming the key."""
     rules = [
-        ("agent.agent", bool(c.agent.agent) and ":" in c.agent.agent, "must name the agent as module:name"),
+        (
+            "agent.agent",
+            (bool(c.agent.agent) and ":" in c.agent.agent) != bool(c.agent.command),
+            "must name the agent as module:name, or agent.command a runner to start (one of the two)",
+        ),
         ("agent.train_tasks", bool(c.agent.train_tasks), "must name a JSONL file of training tasks"),
         ("model.path", bool(c.model.path), "must name a model directory"),
         ("experiment.steps", c.experiment.steps >= 1, "must be at least 1"),

@@ -149,6 +149,8 @@ def start_runners(config: ExperimentConfig, services: Services) -> Background | 
     runners started elsewhere serve the store)."""
     if config.agent.processes == 0:
         return None
+    if config.agent.command:
+        return _start_command_runners(config, services)
     runners = Background(
         "runners",
         [
@@ -176,6 +178,47 @@ def start_runners(config: ExperimentConfig, services: Services) -> Background | 
     services.started.append(runners)
     services.runners = runners
     return runners
+
+
+def command_env(config: ExperimentConfig, services: Services, index: int) -> dict[str, str]:
+    """What a runner in another language is told: the store, its concurrency and worker id, and (unless the
+    environment already names one) the store's port as its OTLP/gRPC endpoint."""
+    env = {
+        **_env(1),
+        "LIGHTNING_GRPC_STORE": services.store,
+        "LIGHTNING_GRPC_CONCURRENCY": str(config.agent.concurrency),
+        "LIGHTNING_GRPC_WORKER_ID": f"{config.experiment.name}-runner-{index}-{secrets.token_hex(3)}",
+    }
+    if not (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = _http(services.store)
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "grpc"
+    return env
+
+
+def _start_command_runners(config: ExperimentConfig, services: Services) -> Background:
+    """``agent.processes`` copies of ``agent.command``, each logging ``event=runner_started`` once it serves."""
+    started: list[Background] = []
+    try:
+        for index in range(config.agent.processes):
+            runner = Background(
+                "runners" if index == 0 else f"runners-{index}",
+                list(config.agent.command),
+                command_env(config, services, index),
+                cwd=config.path("."),
+                python=False,
+            )
+            started.append(runner)
+        for runner in started:
+            runner.wait_for("event=runner_started", timeout=120)
+    except BaseException:
+        for runner in started:
+            runner.stop(timeout=10)
+        raise
+    services.started.extend(started)
+    services.runners = started[0]
+    return started[0]
 
 
 def _http(address: str) -> str:
