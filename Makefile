@@ -1,12 +1,17 @@
 # Fresh machine: `make demo` or `make test` (each sets everything up first).
 VENV := .venv
+# The dashboard's frontend (lightning_grpc/dashboard/web, Vite + TypeScript), built at set-up into
+# lightning_grpc/dashboard/static, which `lightning-grpc serve` serves.
+DASH := lightning_grpc/dashboard/web
+DASH_BUILT := lightning_grpc/dashboard/static/index.html
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto proto-check lint breaking typecheck test pytest demo bench clean ts-setup ts-proto ts-test demo-ts
+.PHONY: setup proto proto-check lint breaking typecheck test pytest demo bench clean ts-setup ts-proto ts-test demo-ts \
+	dashboard dashboard-check dashboard-proto browser
 
-setup: $(STAMP)
+setup: $(STAMP) $(DASH_BUILT)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,10 +37,34 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(DASH_BUILT) browser
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-test: lint breaking proto-check typecheck pytest ts-test
+test: lint breaking proto-check typecheck dashboard-check pytest ts-test
+
+$(DASH)/node_modules/.installed: $(DASH)/package-lock.json
+	cd $(DASH) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+$(DASH_BUILT): $(DASH)/node_modules/.installed $(DASH)/index.html $(DASH)/vite.config.ts $(shell find $(DASH)/src -type f 2>/dev/null)
+	cd $(DASH) && npm run --silent build
+
+dashboard: $(DASH_BUILT)
+
+# The dashboard's generated code is fresh and its TypeScript type-checks.
+dashboard-check: $(STAMP) $(DASH)/node_modules/.installed
+	bash $(TS)/scripts/generate.sh --check $(DASH)
+	cd $(DASH) && npm run --silent typecheck
+
+dashboard-proto: $(STAMP) $(DASH)/node_modules/.installed
+	bash $(TS)/scripts/generate.sh $(DASH)
+
+# The browser of the dashboard's tests: Debian's chromium (installed here when missing and apt can).
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null || \
+	   (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null)); } || \
+	  { echo "the dashboard's tests need Debian's chromium: apt-get install chromium"; exit 1; }
 
 # The TypeScript client (clients/typescript): npm ci from the lockfile, the generated code's freshness,
 # the type-check and build, then node's test runner against real servers (a TypeScript agent trained).
@@ -61,11 +90,12 @@ demo-ts: $(STAMP) $(TS_STAMP)
 	$(BIN)/lightning-grpc train examples/combination_lock/typescript.toml
 
 # The main job: GRPO trains a tiny model to open a combination lock, through the whole system on CPU.
-demo: $(STAMP)
+demo: $(STAMP) $(DASH_BUILT)
 	$(BIN)/lightning-grpc train examples/combination_lock/config.toml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache $(TS)/node_modules $(TS)/dist
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache $(TS)/node_modules $(TS)/dist $(DASH)/node_modules \
+	  lightning_grpc/dashboard/static
 
 # Breaking-change check of the contract against the latest release tag (skipped before the first release).
 breaking: $(STAMP)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -206,6 +207,8 @@ class TrainingRun:
         self.services = start_services(
             self.config, model_dir, policy_version=self.policy_version, start_engine=self.backend is None
         )
+        if self.services.dashboard_url:
+            self.say(f"dashboard (rollouts, traces, training curves, live): {self.services.dashboard_url}")
         try:
             return await self._run_with_services(first_step, started)
         finally:
@@ -216,11 +219,14 @@ class TrainingRun:
         assert self.services is not None and (self.learner is not None or self.backend is not None)
         svc = self.services
         cfg = self.config
-        client_config = ClientConfig(target=svc.store, timeout=120.0)
+        # A store with auth on (its admin token in $LIGHTNING_GRPC_TOKEN, which the server and runners this run
+        # starts take as well) is driven with that token: a training run is the admin role.
+        token = os.environ.get("LIGHTNING_GRPC_TOKEN") or None
+        client_config = ClientConfig(target=svc.store, timeout=120.0, token=token)
         async with (
             StoreClient(client_config) as store,
             TrainerClient(client_config) as trainer,
-            ProxyClient(ClientConfig(target=svc.proxy_grpc)) as proxy,
+            ProxyClient(ClientConfig(target=svc.proxy_grpc, token=token)) as proxy,
             aiohttp.ClientSession() as http,
         ):
             self.store, self.trainer, self.proxy, self.http = store, trainer, proxy, http

@@ -31,6 +31,8 @@ class Services:
     #: The engine's admin key (for /admin/load_weights): made for an engine this run starts, else taken
     #: from $LIGHTNING_GRPC_ENGINE_ADMIN_KEY.
     engine_admin_key: str = field(default="", repr=False)
+    #: The web dashboard of the server this run started ("" when it uses a running one).
+    dashboard_url: str = ""
 
     def check_alive(self) -> None:
         """Raise when a process this run started has exited."""
@@ -102,6 +104,7 @@ def start_services(
                 engine.wait_for("event=engine_started", timeout=120)[0], "address"
             )
         store, proxy_url, proxy_grpc = svc.store, svc.proxy, svc.proxy_grpc or svc.store
+        dashboard_url = ""
         if not store:
             where = ["--db", str(db)] if db is not None else ["--memory"]
             server = Background(
@@ -133,11 +136,25 @@ def start_services(
             store = log_field(server.wait_for("event=server_started", timeout=60)[0], "address")
             proxy_url = log_field(server.wait_for("event=proxy_started", timeout=60)[0], "http_address")
             proxy_grpc = store
+            try:
+                dashboard_url = log_field(
+                    server.wait_for("event=dashboard_started", timeout=10)[0], "http_address"
+                )
+            except RuntimeError:  # the dashboard is optional: a run goes on without one
+                dashboard_url = ""
         if not proxy_url:
             raise RuntimeError(
                 "services.proxy must name the running proxy's HTTP address when services.store is set"
             )
-        return Services(store, _http(proxy_url), proxy_grpc, engine_url, started, engine_admin_key=admin_key)
+        return Services(
+            store,
+            _http(proxy_url),
+            proxy_grpc,
+            engine_url,
+            started,
+            engine_admin_key=admin_key,
+            dashboard_url=dashboard_url,
+        )
     except BaseException:
         for process in reversed(started):
             process.stop(timeout=10)
