@@ -36,6 +36,7 @@ from lightning_grpc.types import (
     RolloutStatus,
 )
 from tests.conftest import ROOT
+from tests.runner_agents import sync_counter
 
 
 async def runner_process(target: str, agent: str, *args: str) -> asyncio.subprocess.Process:
@@ -626,3 +627,14 @@ async def test_one_rollout_is_one_trace_under_one_root_span_per_attempt(
             assert s.parent_span_id == roots[s.attempt_id].span_id, s.name
     first = min(roots.values(), key=lambda r: r.attributes[semconv.ATTEMPT_SEQUENCE_NUMBER])
     assert first.status_code == 2 and "first try fails" in first.status_message
+
+
+def test_a_stop_before_the_runner_starts_is_kept(server_process: Any) -> None:
+    """A SIGTERM that reaches a runner process before its loop runs calls stop() on a runner built outside
+    any event loop: the runner must still stop as soon as it starts, not run on with the request lost."""
+    server = server_process("--memory", "--port", "0", "--no-dashboard").start()
+    runner = Runner(sync_counter, server.address, poll_wait=0.2)
+    runner.stop()
+    started = time.monotonic()
+    assert asyncio.run(asyncio.wait_for(runner.run(), 20)) == 0
+    assert time.monotonic() - started < 10

@@ -124,6 +124,8 @@ def run_processes(spec: RunnerSpec, processes: int) -> int:
     signal.signal(signal.SIGINT, forward)
     for child in children:
         child.start()
+        if stopping and child.pid:  # the signal came while the fleet was starting: this child stops too
+            os.kill(child.pid, stopping[0])
     for child in children:
         child.join()
     codes = [c.exitcode for c in children]

@@ -110,6 +110,7 @@ class Runner:
         self.failed = 0
         self.stopped = 0
         self._stop = asyncio.Event() if _loop_running() else None
+        self._stop_requested = False
         self._active: dict[str, asyncio.Task[RolloutOutcome]] = {}
         self._outcomes: asyncio.Queue[RolloutOutcome] | None = None
         self._client: StoreClient | None = None
@@ -130,6 +131,8 @@ class Runner:
             return
         self._started = True
         self._stop = self._stop or asyncio.Event()
+        if self._stop_requested:
+            self._stop.set()
         self._outcomes = asyncio.Queue()
         self._client = StoreClient(self.config)
         try:
@@ -151,7 +154,9 @@ class Runner:
         )
 
     def stop(self) -> None:
-        """Stop taking new rollouts; running ones finish (up to ``drain_timeout``)."""
+        """Stop taking new rollouts; running ones finish (up to ``drain_timeout``). Before :meth:`start` (a
+        signal while the process starts), the runner stops as soon as it starts."""
+        self._stop_requested = True
         if self._stop is not None:
             self._stop.set()
 
