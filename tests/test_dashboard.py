@@ -134,6 +134,7 @@ class Browser:
 
     def shot(self, name: str) -> Path:
         path = SHOTS / f"{name}.png"
+        self.page.evaluate("window.scrollTo(0, 0)")  # the sticky header over the top, not mid-page
         self.page.screenshot(path=str(path), full_page=True)
         print(f"screenshot: {path}")
         return path
@@ -227,6 +228,7 @@ def test_rollouts_page_filters_pages_shows_rewards_and_a_new_rollout_live(
     # and its row follows it: the runner takes it and its agent fails on an input that is no lock
     page.locator(f"tr[data-rollout-id='{queued.rollout_id}'][data-status=failed]").wait_for(timeout=30_000)
     assert call(live, "get_rollout", queued.rollout_id).status == RolloutStatus.FAILED
+    page.wait_for_function("![...document.querySelectorAll('td.reward')].some(td => td.textContent === '…')")
     browser.shot("rollouts")
 
 
