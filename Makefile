@@ -82,7 +82,7 @@ ts-proto: $(STAMP) $(TS_STAMP)
 
 ts-test: $(STAMP) $(TS_STAMP)
 	bash $(TS)/scripts/generate.sh --check
-	cd $(TS) && npm run --silent typecheck && npm run --silent build && npm test
+	cd $(TS) && npm test
 
 # The demo with its agent and runner in TypeScript (examples/combination_lock/typescript.toml).
 demo-ts: $(STAMP) $(TS_STAMP)
