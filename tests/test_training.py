@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -218,4 +219,9 @@ def test_an_agent_command_that_cannot_start_is_named(tmp_path: Path, tiny_model:
         tmp_path, tiny_model, agent={"agent": "", "command": ["no-such-runner-binary", "--x"]}
     )
     with pytest.raises(RuntimeError, match="cannot start 'no-such-runner-binary'"):
+        run_experiment(config, progress=False)
+    # one that starts and exits before it serves: the run stops, with the command's last words
+    quits = [sys.executable, "-c", "import sys; print('no agent here'); sys.exit(3)"]
+    config = experiment(tmp_path, tiny_model, agent={"agent": "", "command": quits})
+    with pytest.raises(RuntimeError, match=r"(?s)agent\.command .*exited before.*no agent here"):
         run_experiment(config, progress=False)

@@ -228,7 +228,12 @@ def _start_command_runners(config: ExperimentConfig, services: Services) -> Back
             )
             started.append(runner)
         for runner in started:
-            runner.wait_for("event=runner_started", timeout=120)
+            try:
+                runner.wait_for("event=runner_started", timeout=120)
+            except RuntimeError as exc:  # say why, in the command's own words
+                raise RuntimeError(
+                    f"agent.command {list(config.agent.command)}: {exc}\n{runner.tail()}"
+                ) from None
     except BaseException:
         for runner in started:
             runner.stop(timeout=10)
