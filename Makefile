@@ -4,12 +4,15 @@ VENV := .venv
 # lightning_grpc/dashboard/static, which `lightning-grpc serve` serves.
 DASH := lightning_grpc/dashboard/web
 DASH_BUILT := lightning_grpc/dashboard/static/index.html
+# The TypeScript client (clients/typescript), whose generated contract the dashboard imports too.
+TS := clients/typescript
+TS_STAMP := $(TS)/node_modules/.installed
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: setup proto proto-check lint breaking typecheck test pytest demo bench clean ts-setup ts-proto ts-test demo-ts \
-	dashboard dashboard-check dashboard-proto browser
+	dashboard dashboard-check browser
 
 setup: $(STAMP) $(DASH_BUILT)
 
@@ -46,18 +49,16 @@ $(DASH)/node_modules/.installed: $(DASH)/package-lock.json
 	cd $(DASH) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-$(DASH_BUILT): $(DASH)/node_modules/.installed $(DASH)/index.html $(DASH)/vite.config.ts $(shell find $(DASH)/src -type f 2>/dev/null)
+# The frontend imports the TypeScript client's generated contract (clients/typescript/src), type-checked
+# against that package's dependencies: both packages are installed.
+$(DASH_BUILT): $(DASH)/node_modules/.installed $(TS_STAMP) $(DASH)/index.html $(DASH)/vite.config.ts \
+		$(shell find $(DASH)/src $(TS)/src -type f 2>/dev/null)
 	cd $(DASH) && npm run --silent build
 
 dashboard: $(DASH_BUILT)
 
-# The dashboard's generated code is fresh and its TypeScript type-checks.
-dashboard-check: $(STAMP) $(DASH)/node_modules/.installed
-	bash $(TS)/scripts/generate.sh --check $(DASH)
+dashboard-check: $(DASH)/node_modules/.installed $(TS_STAMP)
 	cd $(DASH) && npm run --silent typecheck
-
-dashboard-proto: $(STAMP) $(DASH)/node_modules/.installed
-	bash $(TS)/scripts/generate.sh $(DASH)
 
 # The browser of the dashboard's tests: Debian's chromium (installed here when missing and apt can).
 browser:
@@ -68,8 +69,6 @@ browser:
 
 # The TypeScript client (clients/typescript): npm ci from the lockfile, the generated code's freshness,
 # the type-check and build, then node's test runner against real servers (a TypeScript agent trained).
-TS := clients/typescript
-TS_STAMP := $(TS)/node_modules/.installed
 
 ts-setup: $(TS_STAMP)
 

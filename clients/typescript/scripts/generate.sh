@@ -3,15 +3,11 @@
 # google.rpc.ErrorInfo (the detail of every error the server sends) from the googleapis protos that the
 # Python environment ships.
 #
-#   bash scripts/generate.sh                 # regenerate src/gen/ of clients/typescript
-#   bash scripts/generate.sh --check         # exit 1 when the committed src/gen/ differs from a fresh generation
-#   bash scripts/generate.sh [--check] DIR   # the same for another npm package with a buf.gen.yaml (the dashboard)
+#   bash scripts/generate.sh          # regenerate src/gen/
+#   bash scripts/generate.sh --check  # exit 1 when the committed src/gen/ differs from a fresh generation
 set -euo pipefail
-check=""
-if [ "${1:-}" = "--check" ]; then check=1; shift; fi
-root="$(cd "$(dirname "$0")/../../.." && pwd)"
-here="$(cd "${1:-$root/clients/typescript}" && pwd)"
-name="${here#"$root"/}"
+here="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$here/../.." && pwd)"
 buf="${BUF:-$root/.venv/bin/buf}"
 python="${PYTHON:-$root/.venv/bin/python}"
 [ -x "$buf" ] || { echo "generate.sh: no buf at $buf (run 'make setup' at the repository root, or set BUF)" >&2; exit 2; }
@@ -27,16 +23,16 @@ template="$(sed "s#out: src/gen#out: $work/out#; s#local: node_modules#local: $h
 (cd "$root" && "$buf" generate --template "$template")
 (cd "$work/googleapis" && "$buf" generate --template "$template" --path google/rpc/error_details.proto)
 
-if [ -n "$check" ]; then
+if [ "${1:-}" = "--check" ]; then
   if ! diff -r "$work/out" "$here/src/gen" > "$work/diff"; then
-    echo "$name/src/gen is stale: run 'npm run generate' in $name (diff below)" >&2
+    echo "clients/typescript/src/gen is stale: run 'npm run generate' in clients/typescript (diff below)" >&2
     head -40 "$work/diff" >&2
     exit 1
   fi
-  echo "$name/src/gen is up to date"
+  echo "clients/typescript/src/gen is up to date"
 else
   rm -rf "$here/src/gen"
   mkdir -p "$here/src"
   cp -r "$work/out" "$here/src/gen"
-  echo "generated $(find "$here/src/gen" -name '*.ts' | wc -l) files into $name/src/gen"
+  echo "generated $(find "$here/src/gen" -name '*.ts' | wc -l) files into clients/typescript/src/gen"
 fi

@@ -2,6 +2,7 @@
 export * from "./client.js";
 export * from "./errors.js";
 export * from "./spans.js";
+export * from "./semconv.js";
 export * from "./runner.js";
 export { installOtlpTracing, attemptContext, otlpConfigured } from "./otel.js";
 export { StoreService } from "./gen/lightning/v1/store_service_pb.js";

@@ -17,7 +17,8 @@ import { AttemptStatus, RolloutMode, StoreClient, inputOf, sleep, type ClientCon
 import { FailedPreconditionError, LightningError, NotFoundError } from "./errors.js";
 import type { Resource } from "./gen/lightning/v1/resource_pb.js";
 import { log } from "./log.js";
-import { SpanStream, makeSpan, newSpanId, nowNanos, rewardAttributes, rolloutTraceId, semconv, type AttributeValue } from "./spans.js";
+import { SpanStream, makeSpan, newSpanId, nowNanos, rolloutTraceId } from "./spans.js";
+import { rewardAttributes, semconv, type AttributeValue } from "./semconv.js";
 
 /** An OpenAI-compatible endpoint, already routed to the attempt when it is behind the proxy. */
 export interface LLM {

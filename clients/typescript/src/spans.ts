@@ -1,6 +1,6 @@
 /**
- * Spans: building them (ids, attributes, the attribute names of lightning.v1's conventions) and sending
- * them over the Store's bidirectional span stream.
+ * Spans: building them (ids, timing, attributes named by `semconv.ts`) and sending them over the Store's
+ * bidirectional span stream.
  *
  * `SpanStream` mirrors the Python client's shipper: spans are queued per attempt and cut into batches; a
  * batch stays in memory until the Store acknowledges it (which it does once the batch is stored); when
@@ -14,48 +14,13 @@ import { createHash, randomBytes } from "node:crypto";
 import type { StoreClient } from "./client.js";
 import { sleep } from "./client.js";
 import { TRANSIENT_REASONS, errorFromStatus, fromConnectError, type LightningError } from "./errors.js";
-import { AnyValueSchema, type AnyValue } from "./gen/lightning/v1/common_pb.js";
 import { SpanKind, SpanSchema, SpanStatusCode, type Span } from "./gen/lightning/v1/span_pb.js";
+import { attributes, type AttributeValue } from "./semconv.js";
 import {
   AddSpansStreamRequestSchema as SpanStreamRequest,
   type AddSpansStreamRequest,
   type AddSpansStreamResponse,
 } from "./gen/lightning/v1/store_service_pb.js";
-
-/** Attribute and span names of the contract's semantic conventions (lightning_grpc/semconv.py). */
-export const semconv = Object.freeze({
-  ROLLOUT_ID: "lightning.rollout_id",
-  ATTEMPT_ID: "lightning.attempt_id",
-  ATTEMPT_SEQUENCE_NUMBER: "lightning.attempt.sequence_number",
-  SPAN_ROLLOUT: "lightning.rollout",
-  SPAN_REWARD: "lightning.reward",
-  SPAN_OPERATION: "lightning.operation",
-  SPAN_MESSAGE: "lightning.message",
-  MESSAGE_BODY: "lightning.message.body",
-  REWARD_VALUE: "lightning.reward.value",
-  REWARD_PRIMARY: "lightning.reward.primary",
-  PRIMARY: "primary",
-});
-
-export type AttributeValue = string | number | boolean | bigint | readonly string[] | readonly number[];
-
-/** One attribute value in the contract's AnyValue (integers that are whole numbers stay doubles). */
-export function anyValue(value: AttributeValue): AnyValue {
-  if (typeof value === "string") return create(AnyValueSchema, { value: { case: "stringValue", value } });
-  if (typeof value === "boolean") return create(AnyValueSchema, { value: { case: "boolValue", value } });
-  if (typeof value === "bigint") return create(AnyValueSchema, { value: { case: "intValue", value } });
-  if (typeof value === "number") return create(AnyValueSchema, { value: { case: "doubleValue", value } });
-  if (value.every((v) => typeof v === "number")) {
-    return create(AnyValueSchema, { value: { case: "doubleArrayValue", value: { values: value as number[] } } });
-  }
-  return create(AnyValueSchema, {
-    value: { case: "arrayValue", value: { values: (value as readonly string[]).map((v) => anyValue(String(v))) } },
-  });
-}
-
-export function attributes(values: Record<string, AttributeValue>): Record<string, AnyValue> {
-  return Object.fromEntries(Object.entries(values).map(([k, v]) => [k, anyValue(v)]));
-}
 
 /** The trace id of a rollout's spans, the same for each of its attempts (semconv.rollout_trace_id). */
 export function rolloutTraceId(rolloutId: string): string {
@@ -102,24 +67,6 @@ export function makeSpan(init: SpanInit): Span {
       : { code: SpanStatusCode.OK },
     attributes: attributes(init.attributes ?? {}),
   });
-}
-
-/** The attributes of a reward: one double per named dimension and the name of the primary one. */
-export function rewardAttributes(reward: number | Record<string, number>, primary?: string): Record<string, AttributeValue> {
-  const dims = typeof reward === "number" ? { [semconv.PRIMARY]: reward } : reward;
-  const names = Object.keys(dims);
-  if (names.length === 0) throw new RangeError("a reward needs at least one dimension");
-  const chosen = typeof reward === "number" ? semconv.PRIMARY : (primary ?? (names.length === 1 ? names[0] : undefined));
-  if (chosen === undefined || !(chosen in dims)) {
-    throw new RangeError(`primary must name one of the reward dimensions ${JSON.stringify(names)}`);
-  }
-  const out: Record<string, AttributeValue> = {};
-  for (const [name, value] of Object.entries(dims)) {
-    if (!Number.isFinite(value)) throw new RangeError(`reward[${JSON.stringify(name)}] must be finite, got ${value}`);
-    out[`${semconv.REWARD_VALUE}.${name}`] = value;
-  }
-  out[semconv.REWARD_PRIMARY] = chosen;
-  return out;
 }
 
 // ==================================================================== the span stream

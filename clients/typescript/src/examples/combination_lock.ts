@@ -16,7 +16,7 @@ import OpenAI from "openai";
 import { createHash } from "node:crypto";
 import type { AgentResources, AttemptContext } from "../runner.js";
 import { attemptContext } from "../otel.js";
-import { semconv } from "../spans.js";
+import { semconv } from "../semconv.js";
 
 const ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth"];
 export const CLICK = "Click.";

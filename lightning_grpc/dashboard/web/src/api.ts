@@ -6,10 +6,9 @@
 import { createClient, ConnectError, Code, type Interceptor } from "@connectrpc/connect";
 import { createConnectTransport } from "@connectrpc/connect-web";
 import { timestampDate, type Timestamp } from "@bufbuild/protobuf/wkt";
-import { StoreService } from "./gen/lightning/v1/store_service_pb";
-import { TrainerService } from "./gen/lightning/v1/trainer_service_pb";
-import type { AnyValue } from "./gen/lightning/v1/common_pb";
-import { ErrorInfoSchema } from "./gen/google/rpc/error_details_pb";
+import { StoreService } from "@client/gen/lightning/v1/store_service_pb";
+import { TrainerService } from "@client/gen/lightning/v1/trainer_service_pb";
+import { ErrorInfoSchema } from "@client/gen/google/rpc/error_details_pb";
 
 const TOKEN_KEY = "lightning-grpc.token";
 
@@ -49,27 +48,6 @@ export function describe(error: unknown): string {
 /** Whether the error is the stream being closed by us (navigation). */
 export function aborted(error: unknown): boolean {
   return ConnectError.from(error).code === Code.Canceled;
-}
-
-export function plain(value: AnyValue | undefined): unknown {
-  const v = value?.value;
-  if (!v || v.case === undefined) return undefined;
-  switch (v.case) {
-    case "intValue":
-      return Number(v.value);
-    case "arrayValue":
-      return v.value.values.map(plain);
-    case "kvlistValue":
-      return Object.fromEntries(v.value.values.map((kv) => [kv.key, plain(kv.value)]));
-    case "intArrayValue":
-      return v.value.values.map(Number);
-    case "doubleArrayValue":
-      return v.value.values;
-    case "bytesValue":
-      return `${v.value.length} bytes`;
-    default:
-      return v.value;
-  }
 }
 
 export function date(ts: Timestamp | undefined): Date | undefined {

@@ -2,30 +2,17 @@
  * One rollout: its attempts, the span tree with timings, each LLM call with its messages, token counts,
  * log-probs and policy version, the reward and any error. Spans and status arrive live while it runs.
  */
-import { store, plain, ago } from "../api";
+import { store, ago } from "../api";
 import { h, fmt } from "../dom";
 import { keepOpen, throttle } from "../live";
 import { badge, rolloutStatus, attemptStatus, TERMINAL } from "../status";
-import { rewardOf, SPAN_LLM_CALL, SPAN_REWARD } from "../reward";
-import { SpanStatusCode, type Span } from "../gen/lightning/v1/span_pb";
-import type { Rollout, Attempt } from "../gen/lightning/v1/rollout_pb";
+import { rewardOf } from "../reward";
+import { plainValue as plain, semconv } from "@client/semconv";
+import { SpanStatusCode, type Span } from "@client/gen/lightning/v1/span_pb";
+import type { Rollout, Attempt } from "@client/gen/lightning/v1/rollout_pb";
 import { toJson } from "@bufbuild/protobuf";
 import { ValueSchema } from "@bufbuild/protobuf/wkt";
 
-const A = {
-  prompt: "lightning.llm.prompt_token_ids",
-  response: "lightning.llm.response_token_ids",
-  logprobs: "lightning.llm.response_logprobs",
-  model: "lightning.llm.model",
-  version: "lightning.llm.policy_version",
-  request: "lightning.llm.request",
-  responseBody: "lightning.llm.response",
-  finish: "lightning.llm.finish_reason",
-  latency: "lightning.llm.latency_ms",
-  usageIn: "gen_ai.usage.input_tokens",
-  usageOut: "gen_ai.usage.output_tokens",
-  error: "lightning.llm.error",
-};
 
 function json(text: unknown): unknown {
   if (typeof text !== "string") return undefined;
@@ -43,26 +30,26 @@ function count(value: unknown, fallback: unknown): number | undefined {
 
 function llmCall(span: Span): HTMLElement {
   const at = (k: string) => plain(span.attributes[k]);
-  const request = json(at(A.request)) as { messages?: { role: string; content: unknown }[]; prompt?: unknown } | undefined;
-  const response = json(at(A.responseBody)) as { choices?: { message?: { content?: string }; text?: string }[] } | undefined;
-  const promptTokens = count(at(A.prompt), at(A.usageIn));
-  const responseTokens = count(at(A.response), at(A.usageOut));
-  const logprobs = (at(A.logprobs) as number[] | undefined) ?? [];
+  const request = json(at(semconv.LLM_REQUEST)) as { messages?: { role: string; content: unknown }[]; prompt?: unknown } | undefined;
+  const response = json(at(semconv.LLM_RESPONSE)) as { choices?: { message?: { content?: string }; text?: string }[] } | undefined;
+  const promptTokens = count(at(semconv.LLM_PROMPT_TOKEN_IDS), at(semconv.LLM_USAGE_PROMPT_TOKENS));
+  const responseTokens = count(at(semconv.LLM_RESPONSE_TOKEN_IDS), at(semconv.LLM_USAGE_COMPLETION_TOKENS));
+  const logprobs = (at(semconv.LLM_RESPONSE_LOGPROBS) as number[] | undefined) ?? [];
   const reply = response?.choices?.[0]?.message?.content ?? response?.choices?.[0]?.text;
   const messages = request?.messages ?? (request?.prompt !== undefined ? [{ role: "prompt", content: request.prompt }] : []);
-  const error = at(A.error);
+  const error = at(semconv.LLM_ERROR);
   return h(
     "div",
     { class: "llm-call", "data-span-id": span.spanId },
     h(
       "dl",
       { class: "facts" },
-      h("dt", {}, "model"), h("dd", {}, String(at(A.model) ?? "–")),
-      h("dt", {}, "policy version"), h("dd", { "data-field": "policy-version" }, String(at(A.version) ?? "–")),
+      h("dt", {}, "model"), h("dd", {}, String(at(semconv.LLM_MODEL) ?? "–")),
+      h("dt", {}, "policy version"), h("dd", { "data-field": "policy-version" }, String(at(semconv.LLM_POLICY_VERSION) ?? "–")),
       h("dt", {}, "prompt tokens"), h("dd", { "data-field": "prompt-tokens" }, fmt(promptTokens)),
       h("dt", {}, "response tokens"), h("dd", { "data-field": "response-tokens" }, fmt(responseTokens)),
-      h("dt", {}, "finish"), h("dd", {}, String(at(A.finish) ?? "–")),
-      h("dt", {}, "latency"), h("dd", {}, at(A.latency) !== undefined ? `${fmt(Number(at(A.latency)), 1)} ms` : "–"),
+      h("dt", {}, "finish"), h("dd", {}, String(at(semconv.LLM_FINISH_REASON) ?? "–")),
+      h("dt", {}, "latency"), h("dd", {}, at(semconv.LLM_LATENCY_MS) !== undefined ? `${fmt(Number(at(semconv.LLM_LATENCY_MS)), 1)} ms` : "–"),
     ),
     error ? h("p", { class: "error" }, String(error)) : null,
     h(
@@ -97,9 +84,9 @@ function tree(spans: Span[]): HTMLElement {
     const start = Number(s.startTimeUnixNano);
     const end = Number(s.endTimeUnixNano || s.startTimeUnixNano);
     const ms = (end - start) / 1e6;
-    const reward = s.name === SPAN_REWARD ? rewardOf(s) : undefined;
+    const reward = s.name === semconv.SPAN_REWARD ? rewardOf(s) : undefined;
     const attrs = Object.entries(s.attributes)
-      .filter(([k]) => !k.startsWith("lightning.llm."))
+      .filter(([k]) => !k.startsWith(semconv.LLM_PREFIX))
       .map(([k, v]) => {
         const value = plain(v);
         const text = typeof value === "string" ? value : JSON.stringify(value);
@@ -107,7 +94,7 @@ function tree(spans: Span[]): HTMLElement {
       });
     const row = h(
       "details",
-      { class: `span${s.status?.code === SpanStatusCode.ERROR ? " span-error" : ""}`, "data-span-name": s.name, open: s.name === SPAN_LLM_CALL || depth === 0 },
+      { class: `span${s.status?.code === SpanStatusCode.ERROR ? " span-error" : ""}`, "data-span-name": s.name, open: s.name === semconv.SPAN_LLM_CALL || depth === 0 },
       h(
         "summary",
         { style: `--depth:${depth}` },
@@ -116,7 +103,7 @@ function tree(spans: Span[]): HTMLElement {
         h("span", { class: "timeline" }, h("span", { class: "timebar", style: `left:${(100 * (start - t0)) / total}%;width:${Math.max(0.5, (100 * (end - start)) / total)}%` })),
       ),
       s.status?.code === SpanStatusCode.ERROR ? h("p", { class: "error" }, s.status.message) : null,
-      s.name === SPAN_LLM_CALL ? llmCall(s) : attrs.length ? h("div", { class: "attrs" }, ...attrs) : null,
+      s.name === semconv.SPAN_LLM_CALL ? llmCall(s) : attrs.length ? h("div", { class: "attrs" }, ...attrs) : null,
     );
     return [row, ...(children.get(s.spanId) ?? []).sort((a, b) => Number(a.startTimeUnixNano - b.startTimeUnixNano)).flatMap((c) => node(c, depth + 1))];
   };
@@ -153,7 +140,7 @@ export async function rolloutDetail(root: HTMLElement, signal: AbortSignal, [rol
   } while (token);
 
   const renderHead = () => {
-    const rewards = [...spans.values()].filter((s) => s.name === SPAN_REWARD && s.attemptId === rollout.latestAttempt?.attemptId).map(rewardOf).filter((r) => r !== undefined);
+    const rewards = [...spans.values()].filter((s) => s.name === semconv.SPAN_REWARD && s.attemptId === rollout.latestAttempt?.attemptId).map(rewardOf).filter((r) => r !== undefined);
     const input = rollout.input ? JSON.stringify(toJson(ValueSchema, rollout.input), null, 1) : "";
     head.replaceChildren(
       h(
@@ -174,7 +161,7 @@ export async function rolloutDetail(root: HTMLElement, signal: AbortSignal, [rol
     attemptsBox.replaceChildren(h("h2", {}, "Attempts"), ...res.attempts.map(attemptRow));
   };
   const renderSpans = () => {
-    const llmCalls = [...spans.values()].filter((s) => s.name === SPAN_LLM_CALL).length;
+    const llmCalls = [...spans.values()].filter((s) => s.name === semconv.SPAN_LLM_CALL).length;
     spansBox.replaceChildren(h("h2", {}, `Spans (${spans.size}, ${llmCalls} LLM call${llmCalls === 1 ? "" : "s"})`), tree([...spans.values()]));
   };
   renderHead();
