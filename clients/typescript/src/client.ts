@@ -6,9 +6,9 @@
  * Every RPC of the contract is on `client.raw` with its generated request and response types; the
  * methods below cover what a runner, an agent or an algorithm calls most.
  */
-import { create, fromJson, toJson, type JsonObject, type JsonValue } from "@bufbuild/protobuf";
+import { fromJson, toJson, type JsonObject, type JsonValue } from "@bufbuild/protobuf";
 import { durationFromMs, ValueSchema } from "@bufbuild/protobuf/wkt";
-import { Code, createClient, type Client, type Interceptor, type Transport } from "@connectrpc/connect";
+import { createClient, type Client, type Interceptor, type Transport } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { randomUUID } from "node:crypto";
 import { DeadlineExceededError, fromConnectError, typed, UnavailableError } from "./errors.js";
@@ -180,7 +180,7 @@ export interface RolloutSpecInit {
 /** Filters of ListRollouts (every page is fetched). */
 export type RolloutFilters = Partial<Omit<ListRolloutsRequest, "$typeName" | "$unknown" | "pageToken">>;
 
-/** The Store's client. `close()` is not needed (HTTP/2 sessions are idle-closed) but ends them at once. */
+/** The Store's client (connect-node keeps one HTTP/2 session per transport and closes it when idle). */
 export class StoreClient {
   readonly config: ReturnType<typeof clientConfig>;
   readonly transport: Transport;
@@ -370,10 +370,6 @@ export class StoreClient {
       }
     }
   }
-
-  close(): void {
-    // connect-node keeps one HTTP/2 session per transport and closes it when idle; nothing else is held.
-  }
 }
 
 /** A rollout's input as plain JSON. */
@@ -400,5 +396,3 @@ export function sleep(ms: number, signal?: AbortSignal): Promise<void> {
     signal?.addEventListener("abort", done, { once: true });
   });
 }
-
-export { create, Code };

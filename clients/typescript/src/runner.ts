@@ -130,20 +130,16 @@ export function routedResources(resources: Record<string, Resource>, rollout: Ro
   const all: Record<string, RoutedResource> = {};
   for (const [name, resource] of Object.entries(resources)) {
     const kind = resource.kind;
-    if (kind.case === "proxyLlm" && attempt) {
+    if (kind.case === "llm" || kind.case === "proxyLlm") {
+      const routed = kind.case === "proxyLlm" && attempt !== undefined;
       all[name] = {
         kind: "llm",
         llm: {
-          endpoint: attemptBaseUrl(kind.value.endpoint, rollout.rolloutId, attempt.attemptId),
+          endpoint: routed ? attemptBaseUrl(kind.value.endpoint, rollout.rolloutId, attempt.attemptId) : kind.value.endpoint,
           model: kind.value.model,
-          apiKey: attempt.credential || kind.value.apiKey,
+          apiKey: (routed && attempt.credential) || kind.value.apiKey,
           samplingParameters: kind.value.samplingParameters ?? {},
         },
-      };
-    } else if (kind.case === "llm" || kind.case === "proxyLlm") {
-      all[name] = {
-        kind: "llm",
-        llm: { endpoint: kind.value.endpoint, model: kind.value.model, apiKey: kind.value.apiKey, samplingParameters: kind.value.samplingParameters ?? {} },
       };
     } else if (kind.case === "promptTemplate") {
       all[name] = { kind: "prompt_template", template: kind.value.template, engine: kind.value.engine };

@@ -1,5 +1,5 @@
 /**
- * The browser's way to the services: the code protoc-gen-es generates from proto/lightning/v1, over the
+ * The browser's way to the services: the TypeScript client's generated contract and typed errors, over the
  * Connect protocol that `serve`'s dashboard gateway speaks (same origin). The credential, when the server
  * has auth on, is the same as for gRPC: kept in this tab's sessionStorage and sent as a bearer token.
  */
@@ -8,7 +8,7 @@ import { createConnectTransport } from "@connectrpc/connect-web";
 import { timestampDate, type Timestamp } from "@bufbuild/protobuf/wkt";
 import { StoreService } from "@client/gen/lightning/v1/store_service_pb";
 import { TrainerService } from "@client/gen/lightning/v1/trainer_service_pb";
-import { ErrorInfoSchema } from "@client/gen/google/rpc/error_details_pb";
+import { fromConnectError, UnauthenticatedError } from "@client/errors";
 
 const TOKEN_KEY = "lightning-grpc.token";
 
@@ -34,15 +34,13 @@ export const trainer = createClient(TrainerService, transport);
 
 /** Whether an error means "give a credential". */
 export function needsCredential(error: unknown): boolean {
-  const err = ConnectError.from(error);
-  return err.code === Code.Unauthenticated;
+  return fromConnectError(error) instanceof UnauthenticatedError;
 }
 
-/** An error as one line: its ErrorInfo reason and message. */
+/** An error as one line: its ErrorInfo reason and message (the client's typed errors). */
 export function describe(error: unknown): string {
-  const err = ConnectError.from(error);
-  const reason = err.findDetails(ErrorInfoSchema)[0]?.reason;
-  return `${reason ?? Code[err.code]}: ${err.rawMessage}`;
+  const err = fromConnectError(error);
+  return `${err.reason}: ${err.message}`;
 }
 
 /** Whether the error is the stream being closed by us (navigation). */
