@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from lightning_grpc import semconv
-from lightning_grpc.client import StoreClient
+from lightning_grpc.client import StoreClient, TrainerClient
 from lightning_grpc.engine import EngineProcess
 from lightning_grpc.examples.combination_lock import AGENT_REF
 from lightning_grpc.processes import Background, log_field
@@ -47,11 +48,13 @@ class Live:
         return StoreClient(self.store, token=TOKEN)
 
 
-def call(live: Live, method: str, *args: Any, **kwargs: Any) -> Any:
-    """A StoreClient call, on a thread of its own (Playwright's sync API holds this thread's event loop)."""
+def call(live: Live, method: str, *args: Any, trainer: bool = False, **kwargs: Any) -> Any:
+    """A StoreClient (or TrainerClient) call, on a thread of its own (Playwright's sync API holds this
+    thread's event loop)."""
 
     async def run() -> Any:
-        async with live.client() as client:
+        client = TrainerClient(live.store, token=TOKEN) if trainer else live.client()
+        async with client:
             return await getattr(client, method)(*args, **kwargs)
 
     with ThreadPoolExecutor(1) as pool:
@@ -221,6 +224,20 @@ def test_rollouts_page_filters_pages_shows_rewards_and_a_new_rollout_live(
     )
     page.select_option("select[name=status]", "")
     rows.first.wait_for()
+    # sort: by rollout id, ascending
+    page.select_option("select[name=sort]", "rollout_id")
+    page.select_option("select[name=order]", "asc")
+    page.wait_for_function(
+        "(() => { const ids = [...document.querySelectorAll('tbody tr[data-rollout-id]')]"
+        ".map(tr => tr.dataset.rolloutId); return ids.length === 25 && "
+        "ids.every((id, i) => i === 0 || ids[i - 1] < id); })()"
+    )
+    shown = rows.evaluate_all("rows => rows.map(r => r.dataset.rolloutId)")
+    every = sorted(r.rollout_id for r in call(live, "query_rollouts"))
+    assert shown == every[:25]
+    page.select_option("select[name=sort]", "create_time")
+    page.select_option("select[name=order]", "desc")
+    page.locator("tbody[data-view^='create_time:desc:']").wait_for()
     # a rollout queued now appears at the top without a reload (the watch stream)
     queued = call(live, "enqueue_rollout", {"prompt": "appears live"}, group_id="live-group")
     page.locator(f"tr[data-rollout-id='{queued.rollout_id}']").wait_for(timeout=15_000)
@@ -258,6 +275,24 @@ def test_a_rollouts_span_tree_shows_its_llm_calls_token_counts(live: Live, brows
     browser.shot("rollout")
 
 
+def test_a_failed_rollout_shows_its_agents_error(live: Live, browser: Browser) -> None:
+    queued = call(live, "enqueue_rollout", {"prompt": "no lock here"}, group_id="error-group")
+    for _ in range(300):
+        if call(live, "get_rollout", queued.rollout_id).status == RolloutStatus.FAILED:
+            break
+        time.sleep(0.1)
+    page = browser.page
+    page.goto(f"{live.dashboard}/#/rollouts/{queued.rollout_id}")
+    attempt = page.locator(".attempt").first
+    attempt.wait_for()
+    assert "failed" in attempt.inner_text()
+    assert "KeyError" in attempt.locator(".error").inner_text()
+    attempt.locator("details summary").click()
+    assert "Traceback" in attempt.locator("pre").inner_text()
+    assert page.locator("[data-field=status]").inner_text() == "failed"
+    browser.shot("rollout-failed")
+
+
 def test_workers_page_lists_the_runner(live: Live, browser: Browser) -> None:
     workers = call(live, "query_workers")
     page = browser.page
@@ -280,4 +315,17 @@ def test_training_page_plots_the_runs_steps(live: Live, browser: Browser) -> Non
     for metric in ("reward_mean", "ppo_kl", "pg_clipfrac", "step_seconds"):
         assert page.locator(f"figure[data-metric={metric}] circle").count() == 2, metric
     assert page.locator("[data-stat=policy] .stat-value").inner_text() == "2"
+    # a step reported now is plotted without a reload (WatchTraining follows)
+    call(
+        live,
+        "report_step",
+        3,
+        3,
+        {"reward_mean": 0.5, "ppo_kl": 0.01, "pg_clipfrac": 0.1, "step_seconds": 0.5},
+        run_id="dashboard-run",
+        trainer=True,
+    )
+    page.locator("table.steps tbody tr[data-step='3']").wait_for(timeout=15_000)
+    for metric in ("reward_mean", "ppo_kl", "pg_clipfrac", "step_seconds"):
+        assert page.locator(f"figure[data-metric={metric}] circle").count() == 3, metric
     browser.shot("training")

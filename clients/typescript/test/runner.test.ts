@@ -16,7 +16,7 @@ import {
   type AnyValue,
   type Span,
 } from "../src/index.js";
-import { PACKAGE, QUIET, cli, start, startEngine, startServer, tinyModel } from "./helpers.js";
+import { PACKAGE, QUIET, cli, eventually, start, startEngine, startServer, tinyModel } from "./helpers.js";
 
 function attr(span: Span, key: string): AnyValue["value"]["value"] | undefined {
   return span.attributes[key]?.value.value;
@@ -72,6 +72,37 @@ test("the runner plays rollouts, records root and reward spans, and keeps an age
     assert.equal(error.error?.type, "Error");
     assert.equal(error.error?.message, "the tool broke");
     assert.match(error.error?.traceback ?? "", /runner\.test/);
+  } finally {
+    await server.stop();
+  }
+});
+
+test("a heartbeat that says stop aborts the agent through ctx.signal, and the runner counts it stopped", async () => {
+  const server = await startServer();
+  try {
+    const client = new StoreClient(server.address);
+    const queued = await client.enqueueRollout({ wait: true });
+    let sawAbort = false;
+    const runner = new Runner(
+      async (_input, _resources, ctx) => {
+        await new Promise<void>((resolve) => ctx.signal.addEventListener("abort", () => resolve(), { once: true }));
+        sawAbort = true;
+        return 1;
+      },
+      { store: server.address, maxRollouts: 1, pollWaitSeconds: 0.3, heartbeatIntervalMs: 200 },
+    );
+    const running = runner.run();
+    await eventually("the rollout to run", async () =>
+      (await client.getRollout(queued.rolloutId)).status === RolloutStatus.RUNNING ? true : undefined,
+    );
+    await client.cancelRollout(queued.rolloutId, "the test cancels it");
+    assert.equal(await running, 1);
+    assert.equal(sawAbort, true);
+    assert.deepEqual([runner.stopped, runner.succeeded, runner.failed], [1, 0, 0]);
+    const final = await client.getRollout(queued.rolloutId);
+    assert.equal(final.status, RolloutStatus.CANCELLED);
+    const names = (await client.querySpans(queued.rolloutId)).map((s) => s.name);
+    assert.ok(!names.includes(semconv.SPAN_REWARD), "a stopped attempt records no reward");
   } finally {
     await server.stop();
   }

@@ -89,8 +89,18 @@ export async function rollouts(root: HTMLElement, signal: AbortSignal): Promise<
     return tr;
   }
 
+  // Only the latest load renders (a slower, older one must not overwrite it), and changes the watch
+  // reports while a load is in flight are applied once it has rendered.
+  let latestLoad = 0;
+  let loading = false;
+  let missed: Rollout[] = [];
+
   async function load(to: number): Promise<void> {
-    const res = await store.listRollouts(
+    const mine = ++latestLoad;
+    loading = true;
+    let res;
+    try {
+      res = await store.listRollouts(
       {
         statuses: state.status ? [Number(state.status)] : [],
         mode: state.mode ? Number(state.mode) : RolloutMode.UNSPECIFIED,
@@ -101,7 +111,12 @@ export async function rollouts(root: HTMLElement, signal: AbortSignal): Promise<
         pageToken: tokens[to] ?? "",
       },
       { signal },
-    );
+      );
+    } catch (error) {
+      if (mine === latestLoad) loading = false;
+      throw error;
+    }
+    if (mine !== latestLoad) return;
     page = to;
     tokens[to + 1] = res.nextPageToken;
     rows.clear();
@@ -115,31 +130,43 @@ export async function rollouts(root: HTMLElement, signal: AbortSignal): Promise<
     info.textContent = `${res.rollouts.length ? from + 1 : 0}–${from + res.rollouts.length} of ${res.totalSize}`;
     prev.disabled = to === 0;
     next.disabled = !res.nextPageToken;
+    body.dataset["view"] = `${state.orderBy}:${state.order}:${state.status}:${state.mode}:${state.contains}:${to}`;
+    loading = false;
+    const seen = missed;
+    missed = [];
+    seen.forEach(follow);
+  }
+
+  /** A change the watch reported: its row follows it, or a new rollout appears on top of the first page. */
+  function follow(r: Rollout): void {
+    if (loading) {
+      missed.push(r);
+      return;
+    }
+    const old = rows.get(r.rolloutId);
+    if (old) {
+      const fresh = row(r);
+      old.replaceWith(fresh);
+      rows.set(r.rolloutId, fresh);
+      fresh.classList.add("flash");
+    } else if (page === 0 && state.order === "desc" && state.orderBy === "create_time" && matches(r)) {
+      body.querySelector("tr.empty")?.remove();
+      const fresh = row(r);
+      body.prepend(fresh);
+      rows.set(r.rolloutId, fresh);
+      fresh.classList.add("flash", "new");
+      while (body.children.length > PAGE_SIZE) {
+        const last = body.lastElementChild as HTMLElement;
+        rows.delete(last.dataset["rolloutId"] ?? "");
+        last.remove();
+      }
+    }
   }
 
   await load(0);
   keepOpen(signal, async (s) => {
     for await (const event of store.watchRollouts({}, { signal: s })) {
-      const r = event.rollout;
-      if (!r) continue;
-      const old = rows.get(r.rolloutId);
-      if (old) {
-        const fresh = row(r);
-        old.replaceWith(fresh);
-        rows.set(r.rolloutId, fresh);
-        fresh.classList.add("flash");
-      } else if (page === 0 && state.order === "desc" && state.orderBy === "create_time" && matches(r)) {
-        body.querySelector("tr.empty")?.remove();
-        const fresh = row(r);
-        body.prepend(fresh);
-        rows.set(r.rolloutId, fresh);
-        fresh.classList.add("flash", "new");
-        while (body.children.length > PAGE_SIZE) {
-          const last = body.lastElementChild as HTMLElement;
-          rows.delete(last.dataset["rolloutId"] ?? "");
-          last.remove();
-        }
-      }
+      if (event.rollout) follow(event.rollout);
     }
   });
 }
