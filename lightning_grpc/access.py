@@ -197,7 +197,8 @@ class Scope(Enum):
     NONE = "none"
     #: The request's ``worker_id``: a runner's own.
     WORKER = "worker"
-    #: The request's ``rollout_id`` and ``attempt_id``: the attempt's own, or an attempt of the runner's worker.
+    #: The request's ``rollout_id`` and ``attempt_id``: the attempt's own, or an attempt of the runner's worker;
+    #: so are the ids each span of the request names (checked by the servicer once it has read them).
     ATTEMPT = "attempt"
     #: The request's ``rollout_id``: the attempt's rollout, or one whose latest attempt is the runner's worker's.
     ROLLOUT = "rollout"
@@ -211,8 +212,12 @@ class Rule:
     scope: Scope = Scope.NONE
     #: Secrets (``api_key``) in the answer are blanked for every role but admin.
     redacts_secrets: bool = False
-    #: The answer's attempts get their attempt credentials.
-    issues_attempt_credentials: bool = False
+    #: The field of the answer holding the rollouts whose active attempts get their attempt credentials
+    #: (``rollout`` or ``rollouts``, a repeated field); empty: none.
+    credentials_in: str = ""
+    #: A field of the request that, when set, claims rollouts as a DequeueRollouts request does (checked
+    #: by DequeueRollouts' rule: its roles, and the worker id it names).
+    claims_by: str = ""
 
     def allows(self, role: Role) -> bool:
         return role in self.roles
@@ -231,10 +236,10 @@ PROXY_SERVICE = "lightning.v1.ProxyService"
 OTLP_TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
 _STORE: dict[str, Rule] = {
-    "StartRollout": _rule(_A, issues_attempt_credentials=True),
+    "StartRollout": _rule(_A, credentials_in="rollout"),
     "EnqueueRollouts": ADMIN_ONLY,
-    "DequeueRollouts": _rule(_A, _R, scope=Scope.WORKER, issues_attempt_credentials=True),
-    "StartAttempt": _rule(_A, _R, scope=Scope.WORKER, issues_attempt_credentials=True),
+    "DequeueRollouts": _rule(_A, _R, scope=Scope.WORKER, credentials_in="rollouts"),
+    "StartAttempt": _rule(_A, _R, scope=Scope.WORKER, credentials_in="rollout"),
     "UpdateRollout": ADMIN_ONLY,
     "CancelRollout": ADMIN_ONLY,
     "RetryRollout": ADMIN_ONLY,
@@ -243,7 +248,10 @@ _STORE: dict[str, Rule] = {
     "GetLatestAttempt": _rule(_A, _R, _T, scope=Scope.ROLLOUT),
     "ListAttempts": ADMIN_ONLY,
     "HeartbeatAttempt": _rule(_A, _R, _T, scope=Scope.ATTEMPT),
-    "CompleteAttempt": _rule(_A, _R, _T, scope=Scope.ATTEMPT),
+    # ``dequeue_next`` claims the next rollouts as DequeueRollouts does: runners for their own worker only
+    "CompleteAttempt": _rule(
+        _A, _R, _T, scope=Scope.ATTEMPT, claims_by="dequeue_next", credentials_in="next_rollouts"
+    ),
     "AddSpans": _rule(_A, _R, _T, scope=Scope.ATTEMPT),
     "AddSpansStream": _rule(_A, _R, _T, scope=Scope.ATTEMPT),
     "ListSpans": ADMIN_ONLY,
@@ -305,6 +313,10 @@ def rule_for(method: str) -> Rule | None:
     return RULES.get(method)
 
 
+#: The rule a request that claims rollouts inside another call (:attr:`Rule.claims_by`) is checked by.
+CLAIM_RULE = RULES[f"/{STORE_SERVICE}/DequeueRollouts"]
+
+
 def refuse_role(principal: Principal, what: str) -> PermissionDeniedError:
     return PermissionDeniedError(
         f"{principal.describe()} may not call {what}", reason=Reason.ROLE_NOT_ALLOWED, role=principal.role
@@ -327,6 +339,7 @@ def attempt_credential_ttl(timeout: float | None) -> float:
 
 __all__ = [
     "ADMIN",
+    "CLAIM_RULE",
     "OPEN_PREFIXES",
     "PROXY_ROUTES",
     "RULES",

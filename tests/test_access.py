@@ -35,7 +35,13 @@ from lightning_grpc.proxy import ProxyConfig
 from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
 from lightning_grpc.server.proxy_app import start_with_store
 from lightning_grpc.types import LLM, ProxyLLM, Span
-from lightning_grpc.v1 import proxy_service_pb2, store_service_pb2, trainer_service_pb2
+from lightning_grpc.v1 import (
+    proxy_service_pb2,
+    rollout_pb2,
+    store_service_pb2,
+    store_service_pb2_grpc,
+    trainer_service_pb2,
+)
 from tests.conftest import ROOT
 
 TOKEN = "admin-s3cret"
@@ -372,6 +378,15 @@ async def test_an_attempt_credential_expires_when_its_attempt_ends(secured: Runn
                 rollout_id=world.rollout_id,
                 attempt_id=world.attempt_id,
             )
+        # nor does it read anything any more
+        for read in (
+            lambda: agent.get_rollout(world.rollout_id),
+            lambda: agent.get_latest_attempt(world.rollout_id),
+            lambda: agent.get_latest_resources(),
+        ):
+            with pytest.raises(UnauthenticatedError) as expired:
+                await read()
+            assert expired.value.reason == "CREDENTIAL_EXPIRED"
     finally:
         await agent.close()
 
@@ -546,4 +561,179 @@ async def test_a_fleet_started_with_the_admin_token_gives_each_process_its_own_r
         workers = {r.latest_attempt.worker_id for r in done if r.latest_attempt is not None}
         assert len(workers) == 2 and all(w.endswith(("-0", "-1")) for w in workers), workers
     finally:
+        await admin.close()
+
+
+# ---------------------------------------------------------------------- ids inside messages
+
+
+def forged_span(world: World) -> Any:
+    """A span that names the other worker's attempt in its own ids (they win over the request's)."""
+    from lightning_grpc.v1 import span_pb2
+
+    return span_pb2.Span(
+        name="forged",
+        trace_id="ab" * 16,
+        span_id="cd" * 8,
+        rollout_id=world.other_rollout_id,
+        attempt_id=world.other_attempt_id,
+    )
+
+
+async def span_write_error(
+    server: RunningServer, rpc: str, world: World, request_ids: tuple[str, str], bearer: str
+) -> tuple[grpc.StatusCode, str]:
+    """Send one forged span by ``rpc`` with ``request_ids`` on the request: the status and reason it got
+    (a span stream answers a refused batch in its acknowledgement)."""
+    rollout_id, attempt_id = request_ids
+    metadata = (("authorization", f"Bearer {bearer}"),)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = store_service_pb2_grpc.StoreServiceStub(channel)
+        try:
+            if rpc == "AddSpans":
+                request = store_service_pb2.AddSpansRequest(rollout_id=rollout_id, attempt_id=attempt_id)
+                request.spans.append(forged_span(world))
+                await stub.AddSpans(request, metadata=metadata, timeout=5)
+            elif rpc == "CompleteAttempt":
+                complete = store_service_pb2.CompleteAttemptRequest(
+                    rollout_id=rollout_id, attempt_id=attempt_id, status=rollout_pb2.ATTEMPT_STATUS_SUCCEEDED
+                )
+                complete.spans.append(forged_span(world))
+                await stub.CompleteAttempt(complete, metadata=metadata, timeout=5)
+            else:
+                batch = store_service_pb2.AddSpansStreamRequest(
+                    batch_id=1, rollout_id=rollout_id, attempt_id=attempt_id
+                )
+                batch.spans.append(forged_span(world))
+                async for ack in stub.AddSpansStream(iter([batch]), metadata=metadata, timeout=5):
+                    assert ack.batch_id == 1
+                    return grpc.StatusCode(
+                        next(c for c in grpc.StatusCode if c.value[0] == ack.error.code)
+                    ), ack.error.reason
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), reason_of(exc)
+    return grpc.StatusCode.OK, ""
+
+
+@pytest.mark.parametrize("rpc", ["AddSpans", "AddSpansStream", "CompleteAttempt"])
+@pytest.mark.parametrize("caller", ["runner", "attempt"])
+@pytest.mark.parametrize("request_ids", ["own", "empty"])
+async def test_ids_inside_spans_are_scoped_like_the_requests_and_nothing_of_a_refused_write_is_stored(
+    secured: RunningServer, rpc: str, caller: str, request_ids: str
+) -> None:
+    """A span's own rollout and attempt ids name another worker's attempt: refused whatever the request names,
+    and that attempt is untouched (still PREPARING, no heartbeat, no span, no sequence id used up)."""
+    world = await make_world(secured)
+    bearer = Credentials(TOKEN).runner("w1") if caller == "runner" else world.credential
+    ids = (world.rollout_id, world.attempt_id) if request_ids == "own" else ("", "")
+    code, reason = await span_write_error(secured, rpc, world, ids, bearer)
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (code, reason)
+    assert reason in ("WRONG_WORKER", "WRONG_ATTEMPT")
+    admin = client(secured, TOKEN)
+    try:
+        other = await admin.get_rollout(world.other_rollout_id)
+        assert other.latest_attempt is not None
+        assert other.latest_attempt.status.name == "PREPARING"
+        assert not other.latest_attempt.last_heartbeat_time
+        assert await admin.query_spans(world.other_rollout_id) == []
+        mine = await admin.get_rollout(world.rollout_id)
+        assert mine.latest_attempt is not None and mine.latest_attempt.status.is_active  # not completed
+        stored = await admin.add_spans(
+            [Span(name="first", trace_id="ef" * 16, span_id="01" * 8)],
+            rollout_id=world.other_rollout_id,
+            attempt_id=world.other_attempt_id,
+        )
+        assert stored.sequence_ids == [1]
+    finally:
+        await admin.close()
+
+
+async def test_span_ids_naming_the_callers_own_attempt_are_taken(secured: RunningServer) -> None:
+    world = await make_world(secured)
+    runner = client(secured, Credentials(TOKEN).runner("w1"))
+    admin = client(secured, TOKEN)
+    try:
+        own = Span(
+            name="own",
+            trace_id="ab" * 16,
+            span_id="cd" * 8,
+            rollout_id=world.rollout_id,
+            attempt_id=world.attempt_id,
+        )
+        await runner.add_spans([own], rollout_id="", attempt_id="")
+        assert [s.name for s in await admin.query_spans(world.rollout_id)] == ["own"]
+    finally:
+        await runner.close()
+        await admin.close()
+
+
+def completion_with_dequeue(world: World, worker_id: str) -> store_service_pb2.CompleteAttemptRequest:
+    request = store_service_pb2.CompleteAttemptRequest(
+        rollout_id=world.rollout_id, attempt_id=world.attempt_id, status=rollout_pb2.ATTEMPT_STATUS_SUCCEEDED
+    )
+    request.dequeue_next.worker_id = worker_id
+    request.dequeue_next.max_rollouts = 1
+    return request
+
+
+@pytest.mark.parametrize(
+    ("caller", "worker_id", "reason"),
+    [
+        ("attempt", "w1", "ROLE_NOT_ALLOWED"),  # an attempt credential may not dequeue at all
+        ("attempt", "w2", "ROLE_NOT_ALLOWED"),
+        ("runner", "w2", "WRONG_WORKER"),  # a runner claims only as its own worker
+        ("runner", "", "WRONG_WORKER"),
+    ],
+)
+async def test_complete_attempts_dequeue_next_is_scoped_like_dequeue_rollouts(
+    secured: RunningServer, caller: str, worker_id: str, reason: str
+) -> None:
+    world = await make_world(secured)
+    admin = client(secured, TOKEN)
+    try:
+        [queued] = await admin.enqueue_rollouts([{"input": {"n": 3}}])
+        bearer = Credentials(TOKEN).runner("w1") if caller == "runner" else world.credential
+        metadata = (("authorization", f"Bearer {bearer}"),)
+        async with grpc.aio.insecure_channel(secured.address) as channel:
+            stub = store_service_pb2_grpc.StoreServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.CompleteAttempt(
+                    completion_with_dequeue(world, worker_id), metadata=metadata, timeout=5
+                )
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert reason_of(refused.value) == reason
+        # nothing happened: the queued rollout is unclaimed, the caller's own attempt not completed
+        assert (await admin.get_rollout(queued.rollout_id)).status.name == "QUEUING"
+        mine = await admin.get_rollout(world.rollout_id)
+        assert mine.latest_attempt is not None and mine.latest_attempt.status.is_active
+    finally:
+        await admin.close()
+
+
+@pytest.mark.parametrize("caller", ["runner", "admin"])
+async def test_rollouts_claimed_by_dequeue_next_carry_their_attempt_credential(
+    secured: RunningServer, caller: str
+) -> None:
+    world = await make_world(secured)
+    admin = client(secured, TOKEN)
+    completing = client(secured, Credentials(TOKEN).runner("w1") if caller == "runner" else TOKEN)
+    try:
+        await admin.enqueue_rollouts([{"input": {"n": 3}}])
+        _, done, [claimed] = await completing.complete_and_dequeue(
+            world.rollout_id, world.attempt_id, "succeeded", worker_id="w1"
+        )
+        assert done.latest_attempt is not None and done.latest_attempt.credential == ""  # ended: none
+        attempt = claimed.latest_attempt
+        assert attempt is not None and attempt.worker_id == "w1"
+        claims = credential_claims(attempt.credential)
+        assert claims is not None
+        assert (claims["rollout_id"], claims["attempt_id"]) == (claimed.rollout_id, attempt.attempt_id)
+        agent = client(secured, attempt.credential)  # and it works
+        try:
+            beat = await agent.heartbeat_attempt(claimed.rollout_id, attempt.attempt_id)
+            assert not beat.should_stop
+        finally:
+            await agent.close()
+    finally:
+        await completing.close()
         await admin.close()

@@ -214,3 +214,34 @@ async def test_a_runner_with_only_its_runner_credential_runs_an_unchanged_agent_
     assert claims[0] == "lgc1" and key != credential  # the attempt's own credential, not the runner's
     [call] = await llm_spans(admin, queued.rollout_id)
     assert call.attempt_id == finished.latest_attempt.attempt_id
+
+
+async def test_a_store_out_of_reach_is_a_server_side_error_that_names_no_address(engine: Engine) -> None:
+    """The standalone proxy's Store goes away: the agent's call is a 503 of the server's side (api_error)
+    with Retry-After, and neither the Store's address nor its port reaches the agent."""
+    store_server = await start_server(ServerConfig(port=0, grace=0.5, token=TOKEN))
+    store = ClientConfig(target=store_server.address, token=TOKEN, timeout=3)
+    proxy = await LLMProxy(ProxyConfig(store=store, backends=[engine.backend(MODEL)])).start()
+    try:
+        admin = StoreClient(store)
+        try:
+            rollout_id, attempt_id, credential = await claimed_attempt(store_server, admin, "w1")
+        finally:
+            await admin.close()
+        await store_server.stop()
+        async with aiohttp.ClientSession() as http:
+            reply = await http.post(
+                f"{proxy.base_url}/rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions",
+                json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+                headers={"Authorization": f"Bearer {credential}"},
+            )
+            body = await reply.json()
+            text = await reply.text()
+        assert reply.status == 503, body
+        assert body["error"]["code"] == "store_unavailable"
+        assert body["error"]["type"] == "api_error"
+        assert reply.headers.get("Retry-After")
+        assert "127.0.0.1" not in text and str(store_server.port) not in text and "ipv4" not in text
+    finally:
+        await proxy.stop(1)
+        await store_server.stop()

@@ -28,6 +28,11 @@ class Refused(Exception):
         self.message = message
         self.retry_after = retry_after
 
+    @property
+    def kind(self) -> str:
+        """The OpenAI error type: the agent's request for a 4xx, the server's side for a 5xx."""
+        return "api_error" if self.status >= 500 else "invalid_request_error"
+
 
 class AttemptGate:
     def __init__(self, client: StoreClient | LocalStoreClient, *, mode_cache_size: int = 10_000) -> None:
@@ -46,11 +51,21 @@ class AttemptGate:
             raise Refused(
                 404, "attempt_not_found", f"rollout {rollout_id!r} has no attempt {attempt_id!r}"
             ) from None
-        except UnavailableError as exc:
-            raise Refused(
-                503, "store_unavailable", f"the Store cannot be reached: {exc}", retry_after=1
-            ) from None
         except LightningError as exc:
+            if isinstance(exc, UnavailableError) or exc.transient:  # the agent is told no address; the log is
+                log.warning(
+                    "event=proxy_store_unavailable rollout_id=%s attempt_id=%s reason=%s error=%s",
+                    rollout_id,
+                    attempt_id,
+                    exc.reason,
+                    exc.message,
+                )
+                raise Refused(
+                    503,
+                    "store_unavailable",
+                    "the Store cannot take the call now; retry shortly",
+                    retry_after=1,
+                ) from None
             raise Refused(400, "invalid_attempt", f"{exc.reason}: {exc.message}") from None
         finally:
             if mode_task is not None:

@@ -248,7 +248,9 @@ class Call:
             refusal.status,
             refusal.code,
         )
-        return error_response(refusal.status, refusal.code, refusal.message, headers=headers)
+        return error_response(
+            refusal.status, refusal.code, refusal.message, kind=refusal.kind, headers=headers
+        )
 
     # ------------------------------------------------------------ forwarding
     async def _forward(self, body: dict[str, Any], model_name: str, mode: RolloutMode) -> web.StreamResponse:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from lightning_grpc.access import (
+    CLAIM_RULE,
     OPEN_PREFIXES,
     Credentials,
     Principal,
@@ -58,13 +59,19 @@ class AccessControl:
             raise PermissionDeniedError(f"{method} is not a method this server serves to anyone")
         if not rule.allows(principal.role):
             raise refuse_role(principal, method.rsplit("/", 1)[-1])
+        if principal.role == Role.ATTEMPT:  # an ended attempt's credential no longer works, for any call
+            self._check_still_running(principal)
         return Call(self, principal, method, rule)
 
     # ------------------------------------------------------------------ whose
     def authorize(self, call: Call, request: Any) -> None:
         """Refuse a request that names a worker, rollout or attempt the caller does not own."""
         principal, scope = call.principal, call.rule.scope
-        if principal.role == Role.ADMIN or scope in (Scope.NONE, Scope.SPANS):
+        if principal.role == Role.ADMIN:
+            return
+        if call.rule.claims_by and request.HasField(call.rule.claims_by):
+            self.check_claim(principal, getattr(request, call.rule.claims_by), call.rule.claims_by)
+        if scope in (Scope.NONE, Scope.SPANS):
             return
         if scope == Scope.WORKER:
             self.check_worker(principal, request.worker_id)
@@ -82,6 +89,12 @@ class AccessControl:
             reason=Reason.WRONG_WORKER,
             workerId=worker_id,
         )
+
+    def check_claim(self, principal: Principal, claim: Any, field: str) -> None:
+        """A dequeue made inside another call (``field``) is checked as DequeueRollouts itself is."""
+        if not CLAIM_RULE.allows(principal.role):
+            raise refuse_role(principal, f"DequeueRollouts (through {field})")
+        self.check_worker(principal, claim.worker_id)
 
     def check_attempt(self, principal: Principal, rollout_id: str, attempt_id: str) -> None:
         if principal.role == Role.ADMIN:
@@ -112,7 +125,9 @@ class AccessControl:
 
     def check_spans(self, call: Call, attempts: Iterable[tuple[str, str]]) -> None:
         """Every (rollout id, attempt id) a span write names must be the caller's (before anything is stored)."""
-        for rollout_id, attempt_id in attempts:
+        if call.principal.role == Role.ADMIN:
+            return
+        for rollout_id, attempt_id in set(attempts):
             self.check_attempt(call.principal, rollout_id, attempt_id)
 
     def _check_still_running(self, principal: Principal) -> None:
@@ -131,8 +146,8 @@ class AccessControl:
     def answer(self, call: Call, response: Any) -> None:
         """Attach attempt credentials to a dequeue or start answer; blank secrets for non-admins."""
         rule = call.rule
-        if rule.issues_attempt_credentials:
-            for rollout in _rollouts_of(response):
+        if rule.credentials_in:
+            for rollout in _rollouts_in(response, rule.credentials_in):
                 self._attach_credential(rollout)
         if rule.redacts_secrets and call.principal.role != Role.ADMIN:
             redact_secrets(response)
@@ -150,10 +165,10 @@ class AccessControl:
 _ACTIVE_PB = (1, 2)  # ATTEMPT_STATUS_PREPARING, ATTEMPT_STATUS_RUNNING
 
 
-def _rollouts_of(response: Any) -> Iterable[Any]:
-    if hasattr(response, "rollouts"):
-        return response.rollouts  # type: ignore[no-any-return]
-    return (response.rollout,)
+def _rollouts_in(response: Any, field: str) -> Iterable[Any]:
+    """The rollouts a response holds in ``field`` (one, or a repeated field)."""
+    held = getattr(response, field)
+    return held if response.DESCRIPTOR.fields_by_name[field].is_repeated else (held,)  # type: ignore[no-any-return]
 
 
 def redact_secrets(response: Any) -> None:

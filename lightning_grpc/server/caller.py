@@ -57,7 +57,8 @@ def answer(response: Any) -> None:
 
 
 def authorize_spans(attempts: Iterable[tuple[str, str]]) -> None:
-    """For receivers that learn the attempts from the spans themselves (OTLP Export)."""
+    """For writes whose spans name their own attempts (OTLP Export; span-level ids in AddSpans, AddSpansStream
+    and CompleteAttempt): every attempt named must be the caller's."""
     call = CALLER.get()
     if call is not None:
         call.control.check_spans(call, attempts)

@@ -10,12 +10,12 @@ import grpc
 
 from lightning_grpc import convert
 from lightning_grpc.errors import InvalidArgumentError, LightningError, UnavailableError
-from lightning_grpc.store import DequeueRequest, SpanSelection, Store
+from lightning_grpc.store import DequeueRequest, SpanRecord, SpanSelection, Store
 from lightning_grpc.v1 import common_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
-from . import wire
+from . import caller, wire
 from .adapter import ServicerState, Undecodable, register_service, streaming, unary
 
 Ctx = grpc.aio.ServicerContext
@@ -28,6 +28,14 @@ def check_duration(seconds: float, field: str) -> None:
     """The store's rule for rollout timeouts that travel as google.protobuf.Duration (its timeout_rule)."""
     if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_DURATION_SECONDS:
         raise InvalidArgumentError(field, f"must be a positive google.protobuf.Duration (got {seconds:g} s)")
+
+
+def _span_records(spans: Any, rollout_id: str, attempt_id: str) -> list[SpanRecord]:
+    """The spans of a write, once the caller may write every attempt they name: a span's own ids win over
+    the request's, so each is checked (PERMISSION_DENIED before anything is stored)."""
+    records = convert.span_records(spans)
+    caller.authorize_spans((r.rollout_id or rollout_id, r.attempt_id or attempt_id) for r in records)
+    return records
 
 
 def _selection(sel: pb.SpanSelector) -> SpanSelection:
@@ -219,7 +227,11 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             request.status,
             request.message,
             convert.struct_to_dict(request.metadata) if request.HasField("metadata") else None,
-            convert.span_records([s.SerializeToString() for s in request.spans]) if request.spans else None,
+            _span_records(
+                [s.SerializeToString() for s in request.spans], request.rollout_id, request.attempt_id
+            )
+            if request.spans
+            else None,
         )
         resp = pb.CompleteAttemptResponse()
         if request.HasField("dequeue_next"):
@@ -244,7 +256,9 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def AddSpans(self, request: Any, context: Ctx) -> pb.AddSpansResponse:
         """``request`` is a wire.AddSpansRequestRaw: the spans stay serialized."""
         result = await self.store.add_spans(
-            convert.span_records(request.spans), request.rollout_id, request.attempt_id
+            _span_records(request.spans, request.rollout_id, request.attempt_id),
+            request.rollout_id,
+            request.attempt_id,
         )
         return pb.AddSpansResponse(
             sequence_ids=result.sequence_ids,
@@ -262,7 +276,9 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
                 raise batch.error()
             try:
                 result = await self.store.add_spans(
-                    convert.span_records(batch.spans), batch.rollout_id, batch.attempt_id
+                    _span_records(batch.spans, batch.rollout_id, batch.attempt_id),
+                    batch.rollout_id,
+                    batch.attempt_id,
                 )
             except UnavailableError:
                 raise  # the server cannot take spans now: the stream ends, the client reconnects and resends
