@@ -788,6 +788,145 @@ async def test_a_full_disk_refuses_writes_loses_nothing_acknowledged_and_recover
         await again.stop()
 
 
+async def fill_until_full(client: Any, rid: str, aid: str) -> None:
+    """Write big spans into an attempt until the store is out of space (the last write is held)."""
+    from lightning_grpc.errors import UnavailableError
+    from tests.helpers import make_spans
+
+    for _ in range(200):
+        big = make_spans(20)
+        for span in big:
+            span.attributes["blob"] = "x" * 20_000
+        try:
+            await client.add_spans(big, rollout_id=rid, attempt_id=aid)
+        except UnavailableError as held:
+            assert held.reason == "STORE_OUT_OF_SPACE"
+            return
+    raise AssertionError("the store never filled up")
+
+
+async def test_time_the_store_cannot_write_does_not_count_against_a_runner(tmp_path: Path) -> None:
+    """The disk is full for longer than the attempts' unresponsive timeout and past their wall-time limit:
+    heartbeats are refused meanwhile, yet a runner that keeps beating is not ended UNRESPONSIVE or TIMEOUT
+    and completes once space returns. A silent attempt still ends UNRESPONSIVE, the outage not counted."""
+    from lightning_grpc.client import StoreClient
+    from lightning_grpc.errors import ResourceExhaustedError
+    from lightning_grpc.server.app import ServerConfig, start_server
+    from lightning_grpc.store.sqlite import SqliteBackend
+    from lightning_grpc.types import RolloutConfig
+
+    db = tmp_path / "outage.db"
+    running = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    backend = running.store.backend
+    assert isinstance(backend, SqliteBackend)
+    client = StoreClient(running.address, retry=None, timeout=10)
+    silence = 1.5
+    try:
+        config = RolloutConfig(timeout=4.0, unresponsive_timeout=silence)
+        await client.enqueue_rollouts(
+            [{"input": "live", "config": config}, {"input": "silent", "config": config}]
+        )
+        live, silent = await client.dequeue_rollouts(worker_id="w", limit=2)
+        assert live.latest_attempt is not None and silent.latest_attempt is not None
+        lid, sid = live.latest_attempt.attempt_id, silent.latest_attempt.attempt_id
+        await client.heartbeat_attempt(silent.rollout_id, sid)
+
+        backend.set_max_bytes(db.stat().st_size)  # the disk fills up
+        await fill_until_full(client, live.rollout_id, lid)
+        outage_began = time.monotonic()
+        refused = 0
+        while time.monotonic() - outage_began < 4.5:  # longer than the silence allowed, and past the timeout
+            with pytest.raises(ResourceExhaustedError) as full:
+                await client.heartbeat_attempt(live.rollout_id, lid)
+            assert full.value.reason == "STORE_OUT_OF_SPACE"
+            refused += 1
+            await asyncio.sleep(0.5)
+        assert refused >= 8
+        backend.set_max_bytes(None)  # space returns
+        deadline = time.monotonic() + 10
+        while backend.out_of_space and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not backend.out_of_space
+        outage_ended = time.monotonic()
+
+        beat = await client.heartbeat_attempt(live.rollout_id, lid)
+        assert not beat.should_stop and beat.attempt.status.name == "RUNNING", beat
+        attempt, rollout = await client.complete_attempt(live.rollout_id, lid, "succeeded")
+        assert attempt.status.name == "SUCCEEDED" and rollout.status.name == "SUCCEEDED"
+
+        # the silent attempt was not ended during the outage, and is ended once its silence, less the
+        # outage, passes its limit
+        (ended,) = await client.wait_for_rollouts([silent.rollout_id], timeout=15)
+        ended_after = time.monotonic() - outage_ended
+        assert ended.latest_attempt is not None
+        assert ended.latest_attempt.status.name == "UNRESPONSIVE", ended.latest_attempt
+        assert ended.latest_attempt.end_time is not None
+        assert ended_after < silence + 3
+    finally:
+        await client.close()
+        await running.stop()
+
+
+async def test_deleting_finished_rollouts_makes_room_while_the_store_is_full(tmp_path: Path) -> None:
+    """A store at its size limit (serve --max-db-size) takes deletes: deleting finished rollouts frees room,
+    the write held for want of space is stored, and writes resume with the same limit, without a restart."""
+    from lightning_grpc.client import StoreClient
+    from lightning_grpc.errors import ResourceExhaustedError
+    from lightning_grpc.server.app import ServerConfig, start_server
+    from tests.helpers import make_spans
+
+    db = tmp_path / "limited.db"
+    limit = 3 * 1024 * 1024
+    running = await start_server(ServerConfig(port=0, db=db, grace=1.0, max_db_bytes=limit))
+    backend = running.store.backend
+    client = StoreClient(running.address, retry=None, timeout=10)
+    try:
+        finished = []
+        for i in range(4):  # finished rollouts holding most of the room
+            done = await client.start_rollout({"old": i}, worker_id="w")
+            assert done.latest_attempt is not None
+            big = make_spans(25)
+            for span in big:
+                span.attributes["blob"] = "y" * 20_000
+            await client.add_spans(big, rollout_id=done.rollout_id, attempt_id=done.latest_attempt.attempt_id)
+            await client.complete_attempt(done.rollout_id, done.latest_attempt.attempt_id, "succeeded")
+            finished.append(done.rollout_id)
+        keeper = await client.start_rollout({"keep": True}, worker_id="w")
+        assert keeper.latest_attempt is not None
+        kid = keeper.latest_attempt.attempt_id
+        await fill_until_full(client, keeper.rollout_id, kid)
+        with pytest.raises(ResourceExhaustedError):
+            await client.enqueue_rollouts([{"input": "refused while full"}])
+        held_spans = running.store._attempts[kid].span_count  # acknowledged and held alike
+
+        deleted = await client.delete_rollouts(finished)  # taken while full
+        assert deleted.deleted_rollouts == len(finished) and deleted.deleted_spans == 100
+        deadline = time.monotonic() + 10
+        while backend.out_of_space and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not backend.out_of_space, "the held write was not stored after the delete made room"
+        assert backend.max_bytes == limit  # the same limit: no restart, no larger size
+        more = await client.enqueue_rollouts([{"input": "after"}])
+        attempt, _ = await client.complete_attempt(keeper.rollout_id, kid, "succeeded")
+        assert attempt.status.name == "SUCCEEDED"
+        stored = len(await client.query_spans(keeper.rollout_id))
+        assert stored == held_spans  # every span acknowledged or held, the held batch included
+    finally:
+        await client.close()
+        await running.stop()
+
+    again = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    client = StoreClient(again.address, retry=None)
+    try:
+        found = {r.rollout_id for r in await client.query_rollouts()}
+        assert keeper.rollout_id in found and more[0].rollout_id in found
+        assert not found & set(finished)
+        assert len(await client.query_spans(keeper.rollout_id)) == stored
+    finally:
+        await client.close()
+        await again.stop()
+
+
 async def test_the_sync_level_is_an_explicit_option_and_full_is_the_default(tmp_path: Path) -> None:
     import sqlite3
 

@@ -11,7 +11,9 @@ depends on the sync level (:data:`SYNC_LEVELS`):
 
 When a commit fails for want of space (a full disk, or the database at ``max_bytes``), nothing of it is
 acknowledged: the writer keeps the batch and tries it again, with back-off, until space returns, while
-:attr:`SqliteBackend.out_of_space` tells the store to refuse new writes.
+:attr:`SqliteBackend.out_of_space` tells the store to refuse new writes. Deletes are still taken: the writer
+commits them ahead of the held batch (whose rows of deleted rollouts it drops, as the delete would have), so
+that deleting finished rollouts makes room for what waits.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ class SqliteBackend:
         #: True while commits fail for want of space (see the module's docstring).
         self.out_of_space = False
         self._closing = threading.Event()
+        #: Set when a write that frees space arrives (or on close): a writer waiting for space looks at once.
+        self._wake = threading.Event()
         self._applied_page_limit: int | None = None
         self._queue: queue.Queue[tuple[list[tuple[str, Any]], asyncio.Future[None]] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -315,6 +319,8 @@ class SqliteBackend:
             ops.append(("meta", list(tx.meta.items())))
         fut: asyncio.Future[None] = self._loop.create_future()
         self._queue.put((ops, fut))
+        if tx.deleted_rollouts:
+            self._wake.set()
         return fut
 
     def _write_loop(self) -> None:
@@ -371,8 +377,12 @@ class SqliteBackend:
                             exc,
                         )
                     self.out_of_space = True
-                    self._closing.wait(delay)
-                    delay = min(delay * 2, _FULL_RETRY[1])
+                    if self._wake.wait(delay):
+                        self._wake.clear()
+                    if self._commit_deletes_first(conn, batch):
+                        delay = _FULL_RETRY[0]
+                    else:
+                        delay = min(delay * 2, _FULL_RETRY[1])
                     continue
                 log.error("event=sqlite_commit_failed error=%r", exc)  # resolve every waiter, keep serving
                 return exc
@@ -380,6 +390,39 @@ class SqliteBackend:
                 self.out_of_space = False
                 log.info("event=sqlite_space_returned path=%s committed=%d", self.path, len(batch))
             return None
+
+    def _commit_deletes_first(self, conn: sqlite3.Connection, batch: list[Any]) -> bool:
+        """While ``batch`` waits for space: commit the deletes submitted since, ahead of it; every other
+        submission joins the batch. Returns whether a delete was committed (room may have been made)."""
+        assert self._loop is not None
+        freed = False
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return freed
+            if item is None:  # closing: leave the sentinel for the write loop
+                self._queue.put(None)
+                return freed
+            ops, fut = item
+            deleted = {rid for kind, payload in ops if kind == "delete" for rid in payload}
+            if not deleted:
+                batch.append(item)
+                continue
+            for earlier, _ in batch:
+                _drop_rows_of(earlier, deleted)
+            try:
+                with conn:
+                    self._apply(conn, ops)
+            except BaseException as exc:
+                if not _is_full(exc):
+                    self._loop.call_soon_threadsafe(_resolve, fut, exc)
+                    continue
+                batch.append(item)  # not even room to delete: it waits with the rest
+                continue
+            freed = True
+            log.info("event=sqlite_deleted_while_full path=%s rollouts=%d", self.path, len(deleted))
+            self._loop.call_soon_threadsafe(_resolve, fut, None)
 
     def _apply_page_limit(self, conn: sqlite3.Connection) -> None:
         if self.max_bytes is None:
@@ -496,6 +539,7 @@ class SqliteBackend:
     async def close(self) -> None:
         if self._writer is not None:
             self._closing.set()  # a batch waiting for space gives up: its writes were never acknowledged
+            self._wake.set()
             self._queue.put(None)
             await asyncio.get_running_loop().run_in_executor(None, self._writer.join)
             self._writer = None
@@ -504,6 +548,16 @@ class SqliteBackend:
             self._index_conn.close()
             self._index_conn = None
         log.info("event=sqlite_closed path=%s", self.path)
+
+
+def _drop_rows_of(ops: list[tuple[str, Any]], rollout_ids: set[str]) -> None:
+    """Remove from submitted ``ops`` the rows of rollouts deleted after them (changes and meta stay)."""
+    for i, (kind, payload) in enumerate(ops):
+        if kind == "spans":
+            ops[i] = (kind, [row for row in payload if row[0] not in rollout_ids])
+        elif kind in ("rollouts", "attempts"):
+            ops[i] = (kind, [row for row in payload if row["rollout_id"] not in rollout_ids])
+    ops[:] = [(kind, payload) for kind, payload in ops if payload]
 
 
 def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:

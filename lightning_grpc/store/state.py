@@ -41,6 +41,10 @@ class AttemptState:
     #: The DequeueRollouts request that created the attempt, for idempotent retries.
     request_id: str = ""
     index_used_at: float = 0.0
+    #: Seconds added to the attempt's deadlines because the store could not write meanwhile (a full disk):
+    #: to its timeout for good, to its silence until its next sign of life.
+    timeout_grace: float = 0.0
+    silence_grace: float = 0.0
 
 
 @dataclass(slots=True)

@@ -25,6 +25,9 @@ from .validation import check_timeout
 
 log = logs.get_logger("lightning_grpc.store")
 
+#: How long a write that frees space (a delete) waits for its commit while the store is full.
+FREEING_PATIENCE = 5.0
+
 
 def _out_of_space_now(held: bool) -> UnavailableError:
     if held:
@@ -129,6 +132,9 @@ class StoreBase:
         self._meta: dict[str, str] = {}
         self._closing = False
         self._closed = False
+        # when the store last began and stopped being unable to write (a full disk), for the watchdog
+        self._outage_started: float | None = None
+        self._outage_ended: float | None = None
 
     def check_not_draining(self) -> None:
         """A wait or a follow that the shutdown interrupts ends with UNAVAILABLE, so its caller reconnects."""
@@ -139,16 +145,26 @@ class StoreBase:
             )
 
     # ------------------------------------------------------------------ commit plumbing
-    def _check_writable(self) -> None:
+    def _check_writable(self, *, frees_space: bool = False) -> None:
+        """Refuse a write the store cannot take now; one that ``frees_space`` (a delete) is taken while full."""
         if self._closed:
             raise UnavailableError("the store is shutting down", reason=Reason.STORE_CLOSED)
         if self._broken is not None:
             raise UnavailableError(f"the store cannot write: {self._broken}", reason=Reason.STORAGE_FAILED)
-        if self.backend.out_of_space:
+        if self.backend.out_of_space and not frees_space:
+            self._note_outage()
             raise _out_of_space()
 
-    async def _apply(self, tx: Txn) -> None:
-        """Persist ``tx`` and return once it (and everything submitted before it) is durable."""
+    def _note_outage(self) -> None:
+        if self._outage_started is None:
+            self._outage_started = self.clock()
+            self._outage_ended = None
+
+    async def _apply(self, tx: Txn, *, frees_space: bool = False) -> None:
+        """Persist ``tx`` and return once it (and everything submitted before it) is durable.
+
+        A write that ``frees_space`` goes ahead of writes held for want of space (the backend commits it
+        first), so it waits for its own commit a while even when the store is full."""
         if tx.is_empty():
             await self._durable()
             return
@@ -158,16 +174,21 @@ class StoreBase:
         if fut is None:
             self._after_commit(tx)
             return
-        self._last_commit = fut
+        if not (frees_space and self.backend.out_of_space):  # else it is committed ahead of the held writes
+            self._last_commit = fut
         fut.add_done_callback(lambda f: self._on_commit_done(f, tx))
-        await self._until_committed(fut, held=True)
+        await self._until_committed(fut, held=True, patience=FREEING_PATIENCE if frees_space else 0.0)
 
-    async def _until_committed(self, fut: asyncio.Future[None], *, held: bool = False) -> None:
-        """Wait for a commit, unless the backend is out of space: then answer at once (UNAVAILABLE), never
-        waiting for space to return (``held``: this call's own write, which the backend keeps and writes
-        later; else a read, which must not show what is not stored yet)."""
+    async def _until_committed(
+        self, fut: asyncio.Future[None], *, held: bool = False, patience: float = 0.0
+    ) -> None:
+        """Wait for a commit, unless the backend is out of space: then answer (UNAVAILABLE) after at most
+        ``patience`` seconds, never waiting for space to return (``held``: this call's own write, which the
+        backend keeps and writes later; else a read, which must not show what is not stored yet)."""
+        give_up = time.monotonic() + patience
         while not fut.done():
-            if self.backend.out_of_space:
+            if self.backend.out_of_space and time.monotonic() >= give_up:
+                self._note_outage()
                 raise _out_of_space_now(held)
             await asyncio.wait((fut,), timeout=0.25)
         fut.result()
@@ -183,6 +204,10 @@ class StoreBase:
         self._after_commit(tx)
 
     def _after_commit(self, tx: Txn) -> None:
+        if self._outage_started is not None and self._outage_ended is None and not self.backend.out_of_space:
+            self._outage_ended = self.clock()  # the watchdog excuses the attempts what it could not write
+            if self._watchdog_wake is not None:
+                self._watchdog_wake.set()
         if tx.changes:
             self._committed_revision = max(self._committed_revision, tx.changes[-1].revision)
             fut, self._changes_committed = self._changes_committed, None

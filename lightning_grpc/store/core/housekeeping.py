@@ -41,8 +41,11 @@ class HousekeepingSection(SpanStaging):
     async def delete_rollouts(
         self, rollout_ids: Sequence[str] = (), finished_before: float | None = None
     ) -> DeleteResult:  # type: ignore[assignment]
-        """Delete finished rollouts (with attempts and spans) by id, or every one that ended before a time."""
-        self._check_writable()
+        """Delete finished rollouts (with attempts and spans) by id, or every one that ended before a time.
+
+        Taken while the store is full, ahead of the writes held for want of space, so that deleting makes
+        room for them."""
+        self._check_writable(frees_space=True)
         if not rollout_ids and finished_before is None:
             raise InvalidArgumentError("rollout_ids", "give rollout ids or finished_before")
         ids = list(dict.fromkeys(rollout_ids))
@@ -65,7 +68,7 @@ class HousekeepingSection(SpanStaging):
             ]
         tx = Txn()
         result = self._delete(ids, tx)
-        await self._apply(tx)
+        await self._apply(tx, frees_space=True)
         if result.deleted_rollouts:
             log.info(
                 "event=rollouts_deleted count=%d spans=%d", result.deleted_rollouts, result.deleted_spans

@@ -57,10 +57,17 @@ class Transitions(MemoryBound):
         config = self._rollouts[a.rollout_id].rollout.config
         deadlines = []
         if config.timeout:
-            deadlines.append(a.start_time + config.timeout)
+            deadlines.append(self._timeout_deadline(ast))
         if config.unresponsive_timeout:
-            deadlines.append((a.last_heartbeat_time or a.start_time) + config.unresponsive_timeout)
+            deadlines.append(
+                (a.last_heartbeat_time or a.start_time) + config.unresponsive_timeout + ast.silence_grace
+            )
         return min(deadlines) if deadlines else None
+
+    def _timeout_deadline(self, ast: AttemptState) -> float:
+        """When the attempt's wall-time limit ends (its rollout has a timeout)."""
+        timeout = self._rollouts[ast.attempt.rollout_id].rollout.config.timeout or 0.0
+        return ast.attempt.start_time + timeout + ast.timeout_grace
 
     def _schedule(self, ast: AttemptState) -> None:
         deadline = self._deadline(ast)
@@ -112,6 +119,7 @@ class Transitions(MemoryBound):
         if not a.status.is_active:
             return
         a.last_heartbeat_time = now
+        ast.silence_grace = 0.0
         tx.attempts[a.attempt_id] = ast
         if a.status == AttemptStatus.PREPARING:
             a.status = AttemptStatus.RUNNING

@@ -33,7 +33,7 @@ class WatchdogSection(SpanStaging):
             a = ast.attempt
             rs = self._rollouts[a.rollout_id]
             config = rs.rollout.config
-            if config.timeout and now >= a.start_time + config.timeout:
+            if config.timeout and now >= self._timeout_deadline(ast):
                 status, message = (
                     AttemptStatus.TIMEOUT,
                     f"attempt ran longer than its timeout of {config.timeout:g} s",
@@ -52,9 +52,37 @@ class WatchdogSection(SpanStaging):
             )
         return tx
 
+    def _excuse_outage(self, start: float, end: float) -> None:
+        """The seconds the store could not write, from ``start`` to ``end``, do not count against any attempt
+        then running: its heartbeats and its outcome were refused, so its deadlines move by that much."""
+        for ast in self._attempts.values():
+            a = ast.attempt
+            if not a.status.is_active:
+                continue
+            ast.timeout_grace += max(0.0, end - max(start, a.start_time))
+            ast.silence_grace += max(0.0, end - max(start, a.last_heartbeat_time or a.start_time))
+        log.info("event=store_outage_excused seconds=%.3f", end - start)
+
+    def _settle_outage(self) -> None:
+        assert self._outage_started is not None
+        self._excuse_outage(self._outage_started, self._outage_ended or self.clock())
+        self._outage_started = self._outage_ended = None
+
     async def _watchdog(self) -> None:
         assert self._watchdog_wake is not None
         while True:
+            if self.backend.out_of_space:  # no deadline fires while the store cannot write
+                if self._outage_ended is not None:  # an earlier outage ended before this one began
+                    self._settle_outage()
+                self._note_outage()
+                self._watchdog_wake.clear()
+                try:
+                    await asyncio.wait_for(self._watchdog_wake.wait(), 0.25)
+                except TimeoutError:
+                    pass
+                continue
+            if self._outage_started is not None:
+                self._settle_outage()
             tx = self._expire(self.clock())
             if not tx.is_empty():
                 try:
