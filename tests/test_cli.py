@@ -466,6 +466,23 @@ def test_help_shows_defaults_and_no_internal_names() -> None:
     assert "(default: 2048)" in init and "--force" in init
 
 
+def test_help_of_no_flags_is_truthful_and_shows_no_default_from_the_environment() -> None:
+    secret = "tok-from-the-environment"
+    env = {"LIGHTNING_GRPC_TOKEN": secret, "LIGHTNING_GRPC_BACKEND_API_KEY": secret}
+    done = run_cli("serve", "--help", env=env)
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # argparse wraps the help at the terminal's width
+    # a flag's dest default (reflection=True, dashboard=True) shown under --no-X read as "off by default"
+    assert "(default: True)" not in text and "(default: False)" not in text
+    assert "--no-reflection do not serve gRPC reflection; without this flag it is served" in text
+    assert "--no-dashboard do not serve the dashboard; without this flag it is served" in text
+    for args in (("serve",), ("runner",), ("proxy",), ("credential", "runner"), ("rollouts",)):
+        text = run_cli(*args, "--help", env=env).stdout
+        assert secret not in text, args  # the help names the variable instead: (default: $NAME)
+        assert "(default: True)" not in text, args
+        assert "default: $LIGHTNING_GRPC_TOKEN" in " ".join(text.split()), args
+
+
 def test_a_subcommands_mistake_shows_that_subcommands_usage() -> None:
     done = command("rollouts", "--bogus")
     assert done.returncode == 2

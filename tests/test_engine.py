@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import stat
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -568,3 +570,44 @@ async def test_an_api_key_also_guards_the_admin_routes_unless_an_admin_key_is_gi
         assert status == 200 and not keyfile.exists()  # a given key is never written anywhere
     finally:
         await server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_the_admin_key_file_the_engine_made_is_removed_when_it_exits(
+    model_dir: Path, sig: signal.Signals
+) -> None:
+    def serve_then_signal() -> tuple[Path, bool, EngineProcess]:
+        engine = EngineProcess(model_dir, served_model_name=MODEL, extra_args=["--threads", "1"])
+        # no key given: the engine makes one and writes it to the temp directory
+        for name in ("LIGHTNING_GRPC_ENGINE_ADMIN_KEY", "LIGHTNING_GRPC_ENGINE_API_KEY"):
+            engine.env.pop(name, None)
+        with engine:
+            written = next(line for line in engine.lines if "event=engine_admin_key_written" in line)
+            path = Path(written.split("file=", 1)[1].split()[0])
+            existed = (
+                path.is_file()
+                and stat.S_IMODE(path.stat().st_mode) == 0o600
+                and bool(path.read_text().strip())
+            )
+            assert engine.proc is not None
+            engine.proc.send_signal(sig)
+            engine.proc.wait(30)
+        return path, existed, engine
+
+    path, existed, engine = await asyncio.to_thread(serve_then_signal)
+    assert path.parent == Path(tempfile.gettempdir()) and path.name.endswith(".admin-key")
+    assert existed  # there while the engine ran, readable by its user only
+    assert engine.proc is not None and engine.proc.returncode == 0
+    assert any("event=engine_stopped" in line for line in engine.lines)
+    assert not path.exists()
+
+
+async def test_an_admin_key_file_named_by_the_user_is_left_in_place(model_dir: Path, tmp_path: Path) -> None:
+    server = await start_engine(model_dir, served_model_name=MODEL)
+    default_file = server.admin_key_file
+    await server.stop()
+    assert default_file is not None and not default_file.exists()  # the engine's own: gone with it
+    keyfile = tmp_path / "engine.admin-key"
+    server = await start_engine(model_dir, served_model_name=MODEL, admin_key_file=keyfile)
+    await server.stop()
+    assert server.admin_key_file == keyfile and keyfile.read_text().strip() == server.admin_key

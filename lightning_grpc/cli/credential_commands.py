@@ -32,7 +32,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     r.add_argument(
         "--token",
         default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
-        help="the store's admin token ($LIGHTNING_GRPC_TOKEN)",
+        help="the store's admin token (default: $LIGHTNING_GRPC_TOKEN)",
     )
     r.set_defaults(func=run_runner_credential)
 

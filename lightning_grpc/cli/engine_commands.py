@@ -65,7 +65,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         "--admin-key-file",
         type=Path,
         help="where a generated admin key is written, mode 0600 "
-        "(default: lightning-grpc-engine-PORT.admin-key in the temp directory)",
+        "(default: lightning-grpc-engine-PORT.admin-key in the temp directory, removed at exit)",
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument(

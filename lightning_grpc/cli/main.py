@@ -78,7 +78,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--no-reflection",
         dest="reflection",
         action="store_false",
-        help="do not serve gRPC reflection (it lists the public contract to anyone, for grpcurl and buf curl)",
+        help="do not serve gRPC reflection; without this flag it is served (it lists the public contract to "
+        "anyone, for grpcurl and buf curl)",
     )
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (enables TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
@@ -108,7 +109,8 @@ def add_dashboard_options(p: argparse.ArgumentParser) -> None:
         "--no-dashboard",
         dest="dashboard",
         action="store_false",
-        help="do not serve the dashboard (the browser's way to the services, behind the same credentials)",
+        help="do not serve the dashboard; without this flag it is served (the browser's way to the services, "
+        "behind the same credentials)",
     )
     group.add_argument(
         "--dashboard-assets",
@@ -168,7 +170,7 @@ def add_runner_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "--token",
         default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
         help="the admin token, or a runner credential (its worker id becomes the runner's) "
-        "($LIGHTNING_GRPC_TOKEN)",
+        "(default: $LIGHTNING_GRPC_TOKEN)",
     )
     p.add_argument("--concurrency", type=int, default=1, help="rollouts run at once in each process")
     p.add_argument(
@@ -228,11 +230,22 @@ def run_runner(args: argparse.Namespace) -> int:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default, unless its help already says it or there is none to show."""
+    """Shows an option's default, unless its help already says it or there is none to show.
+
+    A flag that takes no value (``--no-dashboard``, ``--gzip``) never shows one: its default is the value
+    of its ``dest`` (``dashboard=True``), which printed under the flag would read as the flag being on.
+    Nor does an option whose help names an environment variable: its default came from there (and may be
+    a secret), so the help says ``default: $NAME`` itself.
+    """
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, "", False, [], argparse.SUPPRESS):
+        if (
+            "default" in text
+            or "$" in text
+            or action.nargs == 0
+            or action.default in (None, "", False, [], argparse.SUPPRESS)
+        ):
             return text
         return str(super()._get_help_string(action))
 

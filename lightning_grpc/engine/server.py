@@ -79,7 +79,8 @@ class EngineConfig:
     #: Required on the admin routes (/admin/*), always. None: ``api_key`` when set, else one is generated at
     #: start and written to ``admin_key_file`` (mode 0600), whose path is logged.
     admin_key: str | None = field(default=None, repr=False)
-    #: Where a generated admin key is written (default: lightning-grpc-engine-PORT.admin-key in the temp dir).
+    #: Where a generated admin key is written (default: lightning-grpc-engine-PORT.admin-key in the temp dir,
+    #: removed again when the engine stops; a file named here is left in place).
     admin_key_file: Path | None = None
     dtype: str = "float32"
     #: torch intra-op threads of the scheduler thread (None: 1 for a small model, else torch's default).
@@ -190,6 +191,8 @@ class EngineServer:
         self.admin_key = config.admin_key or config.api_key or ""
         #: Where a generated admin key was written, if one was.
         self.admin_key_file: Path | None = None
+        #: The key file is the engine's own (the default path in the temp directory): removed at stop.
+        self._remove_admin_key_file = False
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -236,6 +239,7 @@ class EngineServer:
             await self._listen()
             if not self.admin_key:
                 self.admin_key, self.admin_key_file = self._generate_admin_key()
+                self._remove_admin_key_file = self.config.admin_key_file is None
         except BaseException:
             await loop.run_in_executor(None, self.scheduler.close)
             raise
@@ -280,6 +284,16 @@ class EngineServer:
             out.write(key + "\n")
         return key, path
 
+    def _drop_admin_key_file(self) -> None:
+        """Remove the key file the engine made in the temp directory (never one ``--admin-key-file`` named)."""
+        if not self._remove_admin_key_file or self.admin_key_file is None:
+            return
+        self._remove_admin_key_file = False
+        try:
+            self.admin_key_file.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("event=engine_admin_key_file_left file=%s error=%s", self.admin_key_file, exc)
+
     async def _listen(self) -> None:
         app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -296,6 +310,7 @@ class EngineServer:
 
     async def stop(self) -> None:
         loop = asyncio.get_running_loop()
+        self._drop_admin_key_file()  # first, while the port (and so the file's name) is still this engine's
         if self.scheduler is not None:
             await loop.run_in_executor(None, self.scheduler.close)
         if self._runner is not None:

@@ -508,7 +508,11 @@ Global___GetRolloutResponse: _TypeAlias = GetRolloutResponse  # noqa: Y015
 
 @_typing.final
 class ListRolloutsRequest(_message.Message):
-    """Request of ListRollouts. Filters combine with AND; an empty filter matches everything."""
+    """Request of ListRollouts. A filter left empty is no filter; the filters given combine as match says
+    (by default every one must hold, AND; with FILTER_MATCH_ANY at least one, OR). Within statuses and
+    within rollout_ids the values are alternatives (OR) either way. With no filter given, every rollout
+    is listed whatever match says.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -523,11 +527,18 @@ class ListRolloutsRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     MATCH_FIELD_NUMBER: _builtins.int
     rollout_id_contains: _builtins.str
+    """The rollout's id contains this text."""
     mode: _rollout_pb2.RolloutMode.ValueType
+    """The rollout's mode is this one (ROLLOUT_MODE_UNSPECIFIED: no filter)."""
     group_id: _builtins.str
+    """The rollout's group id is this one."""
     order_by: _builtins.str
-    """One of create_time (default), start_time, end_time, rollout_id, status."""
+    """One of create_time (default), start_time, end_time, rollout_id, status (by its number); anything
+    else is INVALID_ARGUMENT. Ties go by creation order, in the same direction; a start or end time a
+    rollout does not have yet sorts as the latest.
+    """
     order: _common_pb2.SortOrder.ValueType
+    """SORT_ORDER_UNSPECIFIED is ascending."""
     page_size: _builtins.int
     """0 means 100; at most 1000."""
     page_token: _builtins.str
@@ -536,9 +547,13 @@ class ListRolloutsRequest(_message.Message):
     Within a repeated filter (statuses, rollout_ids) any value matches either way.
     """
     @_builtins.property
-    def statuses(self) -> _containers.RepeatedScalarFieldContainer[_rollout_pb2.RolloutStatus.ValueType]: ...
+    def statuses(self) -> _containers.RepeatedScalarFieldContainer[_rollout_pb2.RolloutStatus.ValueType]:
+        """The rollout's status is one of these (a value that is no status: INVALID_ARGUMENT)."""
+
     @_builtins.property
-    def rollout_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def rollout_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The rollout's id is one of these."""
+
     def __init__(
         self,
         *,
@@ -1575,7 +1590,10 @@ Global___GetWorkerResponse: _TypeAlias = GetWorkerResponse  # noqa: Y015
 
 @_typing.final
 class ListWorkersRequest(_message.Message):
-    """Request of ListWorkers. Workers are ordered by worker id."""
+    """Request of ListWorkers. The filters given must all hold (AND; there is no match option), a filter
+    left empty is no filter; workers are listed in the order order_by and order ask for (by default by
+    worker id, ascending).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1586,15 +1604,21 @@ class ListWorkersRequest(_message.Message):
     ORDER_BY_FIELD_NUMBER: _builtins.int
     ORDER_FIELD_NUMBER: _builtins.int
     worker_id_contains: _builtins.str
+    """The worker's id contains this text."""
     page_size: _builtins.int
+    """0 means 100; at most 1000."""
     page_token: _builtins.str
     order_by: _builtins.str
-    """One of worker_id (default), status, last_heartbeat_time, last_dequeue_time; a time a worker
+    """One of worker_id (default), status (by its number), last_heartbeat_time, last_dequeue_time;
+    anything else is INVALID_ARGUMENT. Ties go by worker id, in the same direction; a time a worker
     never had sorts as the latest.
     """
     order: _common_pb2.SortOrder.ValueType
+    """SORT_ORDER_UNSPECIFIED is ascending."""
     @_builtins.property
-    def statuses(self) -> _containers.RepeatedScalarFieldContainer[_worker_pb2.WorkerStatus.ValueType]: ...
+    def statuses(self) -> _containers.RepeatedScalarFieldContainer[_worker_pb2.WorkerStatus.ValueType]:
+        """The worker's status is one of these (OR; a value that is no status: INVALID_ARGUMENT)."""
+
     def __init__(
         self,
         *,

@@ -471,44 +471,61 @@ export const GetRolloutResponseSchema: GenMessage<GetRolloutResponse> = /*@__PUR
   messageDesc(file_lightning_v1_store_service, 16);
 
 /**
- * Request of ListRollouts. Filters combine with AND; an empty filter matches everything.
+ * Request of ListRollouts. A filter left empty is no filter; the filters given combine as match says
+ * (by default every one must hold, AND; with FILTER_MATCH_ANY at least one, OR). Within statuses and
+ * within rollout_ids the values are alternatives (OR) either way. With no filter given, every rollout
+ * is listed whatever match says.
  *
  * @generated from message lightning.v1.ListRolloutsRequest
  */
 export type ListRolloutsRequest = Message<"lightning.v1.ListRolloutsRequest"> & {
   /**
+   * The rollout's status is one of these (a value that is no status: INVALID_ARGUMENT).
+   *
    * @generated from field: repeated lightning.v1.RolloutStatus statuses = 1;
    */
   statuses: RolloutStatus[];
 
   /**
+   * The rollout's id is one of these.
+   *
    * @generated from field: repeated string rollout_ids = 2;
    */
   rolloutIds: string[];
 
   /**
+   * The rollout's id contains this text.
+   *
    * @generated from field: string rollout_id_contains = 3;
    */
   rolloutIdContains: string;
 
   /**
+   * The rollout's mode is this one (ROLLOUT_MODE_UNSPECIFIED: no filter).
+   *
    * @generated from field: lightning.v1.RolloutMode mode = 4;
    */
   mode: RolloutMode;
 
   /**
+   * The rollout's group id is this one.
+   *
    * @generated from field: string group_id = 5;
    */
   groupId: string;
 
   /**
-   * One of create_time (default), start_time, end_time, rollout_id, status.
+   * One of create_time (default), start_time, end_time, rollout_id, status (by its number); anything
+   * else is INVALID_ARGUMENT. Ties go by creation order, in the same direction; a start or end time a
+   * rollout does not have yet sorts as the latest.
    *
    * @generated from field: string order_by = 6;
    */
   orderBy: string;
 
   /**
+   * SORT_ORDER_UNSPECIFIED is ascending.
+   *
    * @generated from field: lightning.v1.SortOrder order = 7;
    */
   order: SortOrder;
@@ -1539,22 +1556,30 @@ export const GetWorkerResponseSchema: GenMessage<GetWorkerResponse> = /*@__PURE_
   messageDesc(file_lightning_v1_store_service, 52);
 
 /**
- * Request of ListWorkers. Workers are ordered by worker id.
+ * Request of ListWorkers. The filters given must all hold (AND; there is no match option), a filter
+ * left empty is no filter; workers are listed in the order order_by and order ask for (by default by
+ * worker id, ascending).
  *
  * @generated from message lightning.v1.ListWorkersRequest
  */
 export type ListWorkersRequest = Message<"lightning.v1.ListWorkersRequest"> & {
   /**
+   * The worker's status is one of these (OR; a value that is no status: INVALID_ARGUMENT).
+   *
    * @generated from field: repeated lightning.v1.WorkerStatus statuses = 1;
    */
   statuses: WorkerStatus[];
 
   /**
+   * The worker's id contains this text.
+   *
    * @generated from field: string worker_id_contains = 2;
    */
   workerIdContains: string;
 
   /**
+   * 0 means 100; at most 1000.
+   *
    * @generated from field: int32 page_size = 3;
    */
   pageSize: number;
@@ -1565,7 +1590,8 @@ export type ListWorkersRequest = Message<"lightning.v1.ListWorkersRequest"> & {
   pageToken: string;
 
   /**
-   * One of worker_id (default), status, last_heartbeat_time, last_dequeue_time; a time a worker
+   * One of worker_id (default), status (by its number), last_heartbeat_time, last_dequeue_time;
+   * anything else is INVALID_ARGUMENT. Ties go by worker id, in the same direction; a time a worker
    * never had sorts as the latest.
    *
    * @generated from field: string order_by = 5;
@@ -1573,6 +1599,8 @@ export type ListWorkersRequest = Message<"lightning.v1.ListWorkersRequest"> & {
   orderBy: string;
 
   /**
+   * SORT_ORDER_UNSPECIFIED is ascending.
+   *
    * @generated from field: lightning.v1.SortOrder order = 6;
    */
   order: SortOrder;
