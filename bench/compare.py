@@ -6,8 +6,8 @@ side by side.
 
 Both revisions are exported with ``git archive`` into a temporary folder (so edits made meanwhile
 change nothing) and run from there with this interpreter (their dependencies are assumed the same);
-the Agent Lightning peer's environment (``bench/.venv-agl``) is shared. Rounds alternate before/after so that a slow spell of the machine
-falls on both. Every figure is the median over rounds; ratios are after ÷ before, so above 1 is better
+the Agent Lightning peer's environment (``bench/.venv-agl``) is shared. Rounds alternate before/after, and
+which goes first alternates too, so that a slow spell of the machine (or one growing busier) falls on both. Every figure is the median over rounds; ratios are after ÷ before, so above 1 is better
 for a rate and worse for a latency.
 """
 
@@ -86,14 +86,16 @@ def main() -> None:
         base = export(args.revision, Path(tmp) / "before")
         head = export(args.after, Path(tmp) / "after")
         for i in range(args.rounds):
-            before.append(figures(run_benchmarks(base, args.profile, Path(tmp) / f"before-{i}")))
-            after.append(figures(run_benchmarks(head, args.profile, Path(tmp) / f"after-{i}")))
+            # the order changes every round, so that a machine growing busier does not always weigh on one side
+            turns = [("before", base, before), ("after", head, after)]
+            for label, tree, results in turns if i % 2 == 0 else turns[::-1]:
+                results.append(figures(run_benchmarks(tree, args.profile, Path(tmp) / f"{label}-{i}")))
             args.out.with_suffix(".json").write_text(json.dumps({"before": before, "after": after}, indent=1))
     names = sorted(set().union(*before) & set().union(*after))
     revs = [short(args.revision), short(args.after)]
     lines = [
         f"Before: {args.revision} ({revs[0]}); after: {args.after} ({revs[-1]}); profile {args.profile}, "
-        f"{args.rounds} round(s) each, turn about; medians.",
+        f"{args.rounds} round(s) each, turn about (first before, then after first); medians.",
         "",
         "| figure | before | after | after ÷ before |",
         "|---|---|---|---|",

@@ -40,6 +40,9 @@ NOT_RUN = {
         "placeholder module names and a Ray cluster; the walk-through runs the same runner command"
     ),
     "proto/lightning/v1/        the contract": "a directory listing, not code",
+    ".venv/bin/grpcurl": (
+        "tests/test_grpcurl.py runs each line as written, against `serve` without and with a token"
+    ),
     "export LIGHTNING_GRPC_TOKEN=$(python": (
         "placeholder agent module; tests/test_access.py runs the credential command, a fleet started with"
         " the admin token and a runner holding only its credential, and tests/test_proxy_access.py the proxy"

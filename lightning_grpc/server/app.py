@@ -9,10 +9,11 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
+from google.protobuf import descriptor, descriptor_pool
 from grpc_health.v1 import health_pb2
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from lightning_grpc import logs
@@ -22,6 +23,7 @@ from lightning_grpc.v1 import store_service_pb2
 
 from .adapter import ServicerState, register_service
 from .auth import interceptors_for
+from .health import HealthServicer
 from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
 from .store_servicer import StoreServicer, add_store_service, check_duration
 from .trainer_servicer import TRAINER_SERVICE, TrainerServicer, add_trainer_service, span_reader
@@ -124,17 +126,48 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
 REFLECTION_SERVICE = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
 
 
+class MethodResolvingPool:
+    """The default descriptor pool for server reflection, whose ``FindFileContainingSymbol`` also finds a
+    method by its full name (``lightning.v1.StoreService.GetRollout``).
+
+    Reflection's FileContainingSymbol takes ``<package>.<service>[.<method>]`` or ``<package>.<type>``, and
+    clients ask for methods by it (``grpcurl describe SERVICE.METHOD``). The upb pool that the Python
+    protobuf runtime uses resolves services, messages, enums, fields and extensions there, but not methods:
+    a KeyError, which the reflection servicer answers NOT_FOUND ("Symbol not found" in grpcurl). Everything
+    else, and every other lookup, is the default pool's, so an unknown symbol is still NOT_FOUND.
+    """
+
+    def __init__(self, pool: descriptor_pool.DescriptorPool | None = None) -> None:
+        self._pool = pool if pool is not None else descriptor_pool.Default()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    def FindFileContainingSymbol(self, symbol: str) -> descriptor.FileDescriptor:
+        try:
+            return self._pool.FindFileContainingSymbol(symbol)
+        except KeyError:
+            service_name, _, method = symbol.rpartition(".")
+            try:
+                service = self._pool.FindServiceByName(service_name) if service_name else None
+            except KeyError:
+                service = None
+            if service is None or method not in service.methods_by_name:
+                raise
+            return service.file
+
+
 def add_health_and_reflection(
     server: grpc.aio.Server, names: Sequence[str], *, with_reflection: bool = True
 ) -> HealthServicer:
-    """gRPC health checking and (unless turned off) server reflection listing ``names`` and themselves,
-    parsing requests as every other service does; returns the health servicer, whose statuses the caller
-    sets."""
+    """gRPC health checking (Check, Watch and List) and (unless turned off) server reflection listing
+    ``names`` and themselves, parsing requests as every other service does; returns the health servicer,
+    whose statuses the caller sets."""
     health = HealthServicer()
     register_service(HEALTH_SERVICE, health_pb2, health, server, foreign=True)
     if with_reflection:
         listed = (*names, HEALTH_SERVICE.full_name, REFLECTION_SERVICE.full_name)
-        servicer = reflection.aio.ReflectionServicer(listed)
+        servicer = reflection.aio.ReflectionServicer(listed, pool=MethodResolvingPool())
         register_service(REFLECTION_SERVICE, reflection_pb2, servicer, server, foreign=True)
     return health
 
