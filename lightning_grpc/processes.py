@@ -1,7 +1,9 @@
-"""Child processes of ``lightning-grpc`` commands (store, engine, runners), their output read line by line."""
+"""Child processes of ``lightning-grpc`` commands (store, engine, runners), their output read line by line,
+and what a long-running server process does once it has started."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -94,6 +96,19 @@ def log_field(line: str, key: str) -> str:
 
 #: Set for a child started by :class:`Background`: the pid it stops with (see :func:`stop_with_parent`).
 PARENT_ENV = "LIGHTNING_GRPC_PARENT_PID"
+
+
+def freeze_startup_heap() -> None:
+    """Put what a server process allocated to start (modules, descriptors, the state it loaded) out of the
+    garbage collector's sight: its full collections then visit only what it made since.
+
+    A server that keeps many container objects (the in-memory store's spans) runs full collections now and
+    then while it grows, and each one visits every tracked object, the tens of thousands its imports left
+    included: span ingest at 128 streams spent about 7% more CPU once the dashboard's imports were added.
+    For processes that serve until they exit (``serve``, ``proxy``), called once they serve; not in tests.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def stop_with_parent(interval: float = 1.0) -> None:

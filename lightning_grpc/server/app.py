@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from lightning_grpc import logs
+from lightning_grpc.processes import freeze_startup_heap
 from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
 from lightning_grpc.trainer import TrainerCore
 from lightning_grpc.v1 import store_service_pb2
@@ -297,6 +298,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
 async def serve(config: ServerConfig, ready: Callable[[RunningServer], None] | None = None) -> None:
     """Run until SIGTERM or SIGINT, then drain and exit."""
     running = await start_server(config)
+    freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

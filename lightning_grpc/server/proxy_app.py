@@ -15,6 +15,7 @@ from grpc_health.v1._async import HealthServicer
 
 from lightning_grpc import logs
 from lightning_grpc.client.local import LocalStoreClient
+from lightning_grpc.processes import freeze_startup_heap
 from lightning_grpc.proxy.app import LLMProxy
 from lightning_grpc.proxy.core import ProxyConfig
 
@@ -105,6 +106,7 @@ async def serve_proxy(
 ) -> None:
     """``lightning-grpc proxy``: run until SIGTERM or SIGINT, then drain and exit."""
     running = await start_proxy_server(config, grpc_host=grpc_host, grpc_port=grpc_port, token=token)
+    freeze_startup_heap()
     if ready is not None:
         ready(running)
     await _wait_for_signal()
@@ -114,6 +116,7 @@ async def serve_proxy(
 async def serve_with_store(server_config: ServerConfig, proxy_config: ProxyConfig) -> None:
     """``lightning-grpc serve --proxy-backend ...``: the Store and the proxy in one process."""
     running, proxy = await start_with_store(server_config, proxy_config)
+    freeze_startup_heap()
     await _wait_for_signal()
     await proxy.stop(server_config.grace)
     await running.stop()
