@@ -417,6 +417,34 @@ async def test_the_gateway_is_behind_the_same_credentials_as_the_api(secured: Se
     assert messages == [] and end["error"]["code"] == "unauthenticated"
 
 
+async def test_span_ids_through_the_gateway_are_scoped_like_over_grpc(secured: Served) -> None:
+    """AddSpans in JSON with an attempt credential: a span naming another attempt in its own ids is refused
+    (PERMISSION_DENIED, nothing stored), whatever the request's ids say."""
+    ids = []
+    for q in (1, 2):
+        status, started = await secured.call(f"{STORE}/StartRollout", {"input": {"q": q}}, token=TOKEN)
+        assert status == 200
+        ids.append((started["rollout"]["rolloutId"], started["rollout"]["latestAttempt"]))
+    (mine, my_attempt), (theirs, their_attempt) = ids
+    span = {
+        "traceId": "ab" * 16,
+        "spanId": "cd" * 8,
+        "name": "forged",
+        "rolloutId": theirs,
+        "attemptId": their_attempt["attemptId"],
+    }
+    request = {"rolloutId": mine, "attemptId": my_attempt["attemptId"], "spans": [span]}
+    status, body = await secured.call(f"{STORE}/AddSpans", request, token=my_attempt["credential"])
+    assert status == 403 and body["code"] == "permission_denied", body
+    assert error_info(body).reason == "WRONG_ATTEMPT"
+    status, listed = await secured.call(
+        f"{STORE}/ListSpans", {"selector": {"rolloutId": theirs}}, token=TOKEN
+    )
+    assert status == 200 and not listed.get("spans"), listed
+    status, got = await secured.call(f"{STORE}/GetRollout", {"rolloutId": theirs}, token=TOKEN)
+    assert got["rollout"]["latestAttempt"]["status"] == "ATTEMPT_STATUS_PREPARING"
+
+
 async def test_every_hosted_service_is_served_the_proxys_and_trainers_too(secured: Served) -> None:
     status, body = await secured.call("/lightning.v1.ProxyService/GetProxyStatus", token=TOKEN)
     assert status == 200, body
