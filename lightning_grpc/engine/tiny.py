@@ -97,10 +97,23 @@ def build_tiny_model(
     seed: int = 0,
     hidden_size: int = 64,
     num_layers: int = 2,
+    num_heads: int = 4,
 ) -> Path:
-    """Train the tokenizer, initialise the model and save both under ``path``; returns the path."""
+    """Train the tokenizer, initialise the model and save both under ``path``; returns the path.
+
+    ``num_heads`` attention heads of ``hidden_size / num_heads`` each (vLLM's CPU attention takes a head
+    size of 32 or more: 64 wide with 2 heads, or 128 wide with 4); 2 key-value heads when they divide it.
+    """
+    if num_heads < 1 or hidden_size % num_heads:
+        raise ValueError(f"the hidden size {hidden_size} must be a multiple of the {num_heads} heads")
     spec = TinyModelSpec(
-        arch=arch, vocab_size=vocab_size, seed=seed, hidden_size=hidden_size, num_layers=num_layers
+        arch=arch,
+        vocab_size=vocab_size,
+        seed=seed,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=2 if num_heads % 2 == 0 else 1,
     )
     return save_tiny_model(Path(path), spec)
 

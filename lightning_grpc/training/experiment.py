@@ -7,7 +7,7 @@
                               files, paths relative to the config file), processes (0: runners started
                               elsewhere serve the store named in [services]), concurrency
     [model]                   path (a Hugging Face model directory), init (build the tiny local model there
-                              when missing), served_name
+                              when missing; init_hidden_size and init_heads its shape), served_name
     [data]                    group_size, batch_size (groups per step), max_prompt_length,
                               max_response_length, aggregation, failure_policy, fill_reward
     [sampling]                temperature, top_p, max_tokens (what the agents' LLM calls use)
@@ -17,6 +17,12 @@
     [validation]              every (steps), samples (per val task), target (stop once the validation reward
                               reaches it), solved_at
     [checkpoint]              every (steps), keep
+    [engine]                  kind ("embedded" | "vllm"): what serves the policy; for vLLM: python (the
+                              interpreter that has vLLM), max_model_len, kv_cache_gib, args (more server
+                              arguments); services.engine names one already running instead
+    [learner]                 ranks (torch.distributed ranks of the learner: Ray actors in a placement group
+                              when more than 1), dist_backend ("gloo" | "nccl"; "": nccl with CUDA, else gloo),
+                              ray_address ("": a Ray started by the run)
     [services]                store, proxy, proxy_grpc, engine: addresses of running ones (else started
                               here), threads (torch threads of the trainer and of the engine)
     [verl]                    the cluster backend (``train --backend verl``): n_gpus_per_node, nnodes,
@@ -76,6 +82,11 @@ class ModelSection:
     path: str = ""
     init: bool = False
     served_name: str = "policy"
+    #: The width of the tiny model ``init`` builds (``init-model --hidden-size``).
+    init_hidden_size: int = 64
+    #: Its attention heads (``init-model --heads``): vLLM's CPU attention needs a head size of at least 32,
+    #: so 2 heads at the default width.
+    init_heads: int = 4
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,39 @@ class ServicesSection:
     engine_threads: int = 1
 
 
+ENGINE_KINDS = ("embedded", "vllm")
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """What serves the policy to the agents (through the proxy) and takes each update's weights."""
+
+    #: "embedded": the project's CPU engine (the default); "vllm": a vLLM server, the same code as on GPUs.
+    kind: str = "embedded"
+    #: vLLM: the Python interpreter that has vLLM installed ("": $LIGHTNING_GRPC_VLLM_PYTHON, else the
+    #: project's .venv-vllm, else this interpreter).
+    python: str = ""
+    #: vLLM: the longest prompt plus response it schedules (--max-model-len).
+    max_model_len: int = 1024
+    #: vLLM on CPU: GiB of memory for its KV cache (VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_gib: float = 1.0
+    #: vLLM: more server arguments, as a list of strings.
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LearnerSection:
+    """How the update is computed: one process, or several torch.distributed ranks sharding the model."""
+
+    #: Ranks of the learner: 1 runs in the trainer's process; more run as Ray actors in a placement group,
+    #: the model sharded by FSDP2 and each rank taking whole groups of the batch.
+    ranks: int = 1
+    #: torch.distributed backend: "gloo" (CPU), "nccl" (CUDA); "": nccl when CUDA is there, else gloo.
+    dist_backend: str = ""
+    #: The Ray cluster the ranks are placed on ("": a local Ray the run starts and stops).
+    ray_address: str = ""
+
+
 @dataclass(frozen=True)
 class VerlSection:
     """What only ``lightning-grpc train --backend verl`` uses: the cluster, and verl's own knobs by name."""
@@ -147,6 +191,8 @@ class ExperimentConfig:
     validation: ValidationSection = field(default_factory=ValidationSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     services: ServicesSection = field(default_factory=ServicesSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
     verl: VerlSection = field(default_factory=VerlSection)
     #: The directory relative paths are taken from (the config file's).
     base_dir: str = "."
@@ -296,6 +342,20 @@ def check_experiment(c: ExperimentConfig) -> None:
         ),
         ("agent.concurrency", c.agent.concurrency >= 1, "must be at least 1"),
         ("checkpoint.every", c.checkpoint.every >= 0, "must be at least 0"),
+        (
+            "model.init_heads",
+            c.model.init_heads >= 1 and c.model.init_hidden_size % c.model.init_heads == 0,
+            "must divide model.init_hidden_size",
+        ),
+        ("engine.kind", c.engine.kind in ENGINE_KINDS, f"must be one of {', '.join(ENGINE_KINDS)}"),
+        ("engine.max_model_len", c.engine.max_model_len >= 16, "must be at least 16"),
+        ("engine.kv_cache_gib", c.engine.kv_cache_gib > 0, "must be greater than 0"),
+        ("learner.ranks", c.learner.ranks >= 1, "must be at least 1"),
+        (
+            "learner.dist_backend",
+            c.learner.dist_backend in ("", "gloo", "nccl"),
+            "must be gloo, nccl or empty (nccl with CUDA, else gloo)",
+        ),
         ("verl.n_gpus_per_node", c.verl.n_gpus_per_node >= 1, "must be at least 1"),
         ("verl.nnodes", c.verl.nnodes >= 1, "must be at least 1"),
         ("verl.micro_batch_size_per_gpu", c.verl.micro_batch_size_per_gpu >= 1, "must be at least 1"),

@@ -90,12 +90,11 @@ class Learner:
 
         seed_everything(self.seed)
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=torch.float32)
-        self.model.to(self.device)  # type: ignore[arg-type]
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=torch.float32)
+        reference = copy.deepcopy(model).eval().requires_grad_(False) if self.ppo_config.use_kl_loss else None
+        self.model = self._place(model)
         self.model.train()
-        self.reference = None
-        if self.ppo_config.use_kl_loss:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.reference = None if reference is None else self._place(reference)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.optim.lr,
@@ -103,11 +102,41 @@ class Learner:
             weight_decay=self.optim.weight_decay,
         )
 
+    # ------------------------------------------------------------ what a distributed rank overrides
+    def _place(self, model: Any) -> Any:
+        """The model on this learner's device (a rank of :mod:`.distributed` also shards it)."""
+        return model.to(self.device)
+
+    @property
+    def world_size(self) -> int:
+        """Processes that share each update (data parallel): 1 here."""
+        return 1
+
+    def _all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the processes sharing the update (here the only one)."""
+        return values
+
+    def _gather(self, value: Any) -> list[Any]:
+        """``value`` of every process sharing the update, in rank order (here the only one)."""
+        return [value]
+
     # ------------------------------------------------------------ one update
-    def update(self, batch: UpdateInput) -> dict[str, float]:
-        """One PPO/GRPO update from a batch; returns its metrics."""
+    def update(self, batch: UpdateInput, rows: Sequence[int] | np.ndarray | None = None) -> dict[str, float]:
+        """One PPO/GRPO update from a batch; returns its metrics.
+
+        ``rows``: the rows this process trains on (None: all of them). With several processes (the ranks
+        of :mod:`.distributed`) each passes its own rows of the same batch: advantages, reward metrics and
+        the mini-batches are the whole batch's, each loss is normalised over the whole mini-batch
+        (:meth:`_batch_info`) and the metrics are combined over the ranks (:func:`combine_rank_metrics`),
+        so that the update equals the one-process update of the whole batch.
+        """
         started = time.perf_counter()
         t = self._tensors(batch.arrays)
+        own = (
+            torch.arange(t["response_mask"].shape[0], device=self.device)
+            if rows is None
+            else torch.as_tensor(np.asarray(rows, dtype=np.int64), device=self.device)
+        )
         rewards, groups = rollout_rewards_and_groups(batch.arrays, batch.uid)
         metrics = reward_metrics(rewards.numpy(), groups, batch.rewards_solved_at)
         advantages = ppo.broadcast_to_rows(
@@ -120,17 +149,17 @@ class Learner:
             t["rollout_index"],
             t["response_mask"],
         )
+        use_recorded = self.optim.old_log_probs == "rollout"
+        if use_recorded and not bool(t["has_rollout_log_probs"].all()):
+            raise ValueError("old_log_probs='rollout' needs recorded log-probs on every row")
         one_pass = self.optim.ppo_epochs == 1 and self.optim.mini_batch_rollouts == 0
         with torch.no_grad():
             # One update over the whole batch starts from the current weights: its own forward pass gives
             # the old log-probs (ratio 1), so a separate pass is only made when there are several updates.
-            recomputed = None if one_pass else self._log_probs(self.model, t, with_entropy=False)[0]
-            reference = self._log_probs(self.reference, t, with_entropy=False)[0] if self.reference else None
-        use_recorded = self.optim.old_log_probs == "rollout"
-        if use_recorded and not bool(t["has_rollout_log_probs"].all()):
-            raise ValueError("old_log_probs='rollout' needs recorded log-probs on every row")
+            recomputed = None if one_pass else self._rows_log_probs(self.model, t, own)
+            reference = self._rows_log_probs(self.reference, t, own) if self.reference else None
         old = t["rollout_log_probs"] if use_recorded else recomputed
-        metrics.update(self._optimise(t, old, recomputed, advantages, reference))
+        metrics.update(self._optimise(t, own, old, recomputed, advantages, reference, int(rewards.shape[0])))
         self.step += 1
         metrics["tokens"] = float(t["response_mask"].sum())
         metrics["rows"] = float(t["response_mask"].shape[0])
@@ -140,20 +169,28 @@ class Learner:
     def _optimise(
         self,
         t: dict[str, torch.Tensor],
+        own: torch.Tensor,
         old: torch.Tensor | None,
         recomputed: torch.Tensor | None,
         advantages: torch.Tensor,
         reference: torch.Tensor | None,
+        num_rollouts: int,
     ) -> dict[str, float]:
-        """Optimiser steps over the batch; ``old`` / ``recomputed`` None: taken from the (only) forward pass."""
+        """Optimiser steps over the batch, each on this process's rows of one mini-batch of the whole batch.
+
+        ``old`` / ``recomputed`` None: taken from the (only) forward pass. Log-prob tensors are ``[B, L]``
+        over the whole batch (filled on ``own`` rows); every process runs every mini-batch, one without
+        rows of its own on a stand-in row that weighs nothing (FSDP needs each rank in each pass).
+        """
         sums: dict[str, float] = {}
         count = 0
         for _ in range(self.optim.ppo_epochs):
-            for rows in mini_batches(t["rollout_index"], self.optim.mini_batch_rollouts):
-                part = {name: value[rows] for name, value in t.items()}
+            for batch_rows in mini_batches(t["rollout_index"], self.optim.mini_batch_rollouts):
+                part, rows = take_rows(t, own[torch.isin(own, batch_rows)])
                 log_prob, entropy = self._log_probs(self.model, part, with_entropy=True)
                 if recomputed is None:
-                    recomputed = log_prob.detach()
+                    recomputed = torch.zeros_like(t["response_mask"])
+                    recomputed[rows] = log_prob.detach()
                 if old is None:
                     old = recomputed
                 gap = log_prob_gap(part, recomputed[rows])
@@ -165,7 +202,7 @@ class Learner:
                     part["response_mask"],
                     entropy=entropy if self.ppo_config.entropy_coeff else None,
                     ref_log_prob=None if reference is None else reference[rows],
-                    rollout_index=part["rollout_index"],
+                    **self._batch_info(part, num_rollouts),
                 )
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -174,17 +211,55 @@ class Learner:
                 )
                 self.optimizer.step()
                 metrics["loss"] = float(loss.detach())
-                metrics["grad_norm"] = float(norm)
+                metrics["grad_norm"] = float(_full_tensor(norm))
                 assert entropy is not None
                 metrics["entropy"] = float(ppo.masked_mean(entropy.detach(), part["response_mask"]))
                 if reference is not None:
                     kl = ppo.kl_penalty(log_prob.detach(), reference[rows], self.ppo_config.kl_loss_type)
                     metrics["kl"] = float(ppo.masked_mean(kl, part["response_mask"]))
                 metrics.update(gap)
+                weights = {
+                    "tokens": float(part["response_mask"].sum()),
+                    "gap_tokens": float(
+                        (part["response_mask"] * part["has_rollout_log_probs"][:, None]).sum()
+                    )
+                    if gap
+                    else 0.0,
+                }
+                metrics = combine_rank_metrics(self._gather((metrics, weights)))
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + float(value)
                 count += 1
         return {name: value / count for name, value in sums.items()}
+
+    def _batch_info(self, part: Mapping[str, torch.Tensor], num_rollouts: int) -> ppo.BatchInfo:
+        """The loss's normalisers over the whole mini-batch (every process's rows), as verl passes them.
+
+        Each process's loss is its rows' share of the mini-batch's loss times ``dp_size`` (``agg_loss``),
+        and data-parallel training averages the gradients over the processes: the average is the
+        gradient of the whole mini-batch's loss. With one process these are the counts ``agg_loss``
+        would make of the mini-batch itself.
+        """
+        mask = part["response_mask"]
+        mode = self.ppo_config.loss_agg_mode
+        info: ppo.BatchInfo = {"dp_size": self.world_size, "rollout_index": part["rollout_index"]}
+        if mode == "token-mean":
+            info["batch_num_tokens"] = self._all_sum(mask.sum())
+        elif mode.startswith("seq-mean"):
+            info["global_batch_size"] = self._all_sum((mask.sum(dim=-1) > 0).float().sum())
+        elif mode == "per-rollout-mean":
+            # a rollout's rows may lie with several processes: its tokens are counted over all of them
+            tokens = self._all_sum(ppo.count_rollout_tokens(part["rollout_index"], mask, num_rollouts))
+            info["rollout_num_tokens"] = tokens
+            info["global_batch_size"] = (tokens > 0).sum()
+        return info
+
+    def _rows_log_probs(self, model: Any, t: Mapping[str, torch.Tensor], own: torch.Tensor) -> torch.Tensor:
+        """Log-probs of ``own`` rows (no entropy), as a ``[B, L]`` tensor over the whole batch."""
+        part, rows = take_rows(t, own)
+        out = torch.zeros_like(t["response_mask"])
+        out[rows] = self._log_probs(model, part, with_entropy=False)[0]
+        return out
 
     def _tensors(self, arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
         names = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "rollout_index")
@@ -231,7 +306,7 @@ class Learner:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.export_weights(path)
-        _copy_tokenizer(Path(self.model_path), path)
+        copy_tokenizer(Path(self.model_path), path)
         torch.save(
             {
                 "step": self.step,
@@ -242,17 +317,28 @@ class Learner:
             },
             path / STATE_FILE,
         )
+        self._write_config(path)
+        return path
+
+    def _write_config(self, path: Path) -> None:
+        """The run's knobs beside a checkpoint (for a reader; resuming takes them from the experiment)."""
         (path / CONFIG_FILE).write_text(
             json.dumps(
                 {"ppo": asdict(self.ppo_config), "optim": asdict(self.optim), "seed": self.seed}, indent=2
             )
         )
-        return path
 
     @classmethod
     def resume(cls, path: str | Path, **options: Any) -> tuple[Learner, dict[str, Any]]:
-        """A learner continuing from a checkpoint, and the checkpoint's ``extra`` values."""
+        """A learner continuing from a checkpoint, and the checkpoint's ``extra`` values.
+
+        A checkpoint of a learner with ranks (:mod:`.distributed`) is read whole into this process."""
         path = Path(path)
+        if not (path / STATE_FILE).exists() and (path / "sharded").is_dir():
+            from .distributed import load_sharded_checkpoint
+
+            learner = cls(model_path=path, **options)
+            return learner, load_sharded_checkpoint(learner, path, rank=0)
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
         learner = cls(model_path=path, **options)
         learner.optimizer.load_state_dict(state["optimizer"])
@@ -264,6 +350,58 @@ class Learner:
 
 
 # ------------------------------------------------------------ batch helpers
+def take_rows(
+    t: Mapping[str, torch.Tensor], rows: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The tensors of ``rows`` and the rows taken. No rows: row 0 stands in with an empty response mask,
+    so the forward and backward passes run (and a sharded model's collectives with them) but it adds
+    nothing to any loss, gradient or metric."""
+    if rows.numel():
+        return {name: value[rows] for name, value in t.items()}, rows
+    stand_in = torch.zeros(1, dtype=torch.long, device=rows.device)
+    part = {name: value[stand_in] for name, value in t.items()}
+    part["response_mask"] = torch.zeros_like(part["response_mask"])
+    return part, stand_in
+
+
+#: Metrics that are already shares of the whole mini-batch's figure times ``dp_size`` (the losses) or the
+#: same on every process (the global grad norm, constants): their mean over the processes is the figure.
+RANK_MEAN_METRICS = frozenset({"loss", "pg_loss", "entropy_loss", "kl_loss", "kl_coef", "grad_norm"})
+
+
+def combine_rank_metrics(
+    parts: Sequence[tuple[Mapping[str, float], Mapping[str, float]]],
+) -> dict[str, float]:
+    """One mini-batch's metrics over every process's rows, from each process's ``(metrics, weights)``.
+
+    Losses: the mean over processes (each is its share times ``dp_size``); ``log_prob_gap_max``: the
+    maximum; ``log_prob_gap_mean``: weighted by the tokens with a recorded log-prob (``gap_tokens``);
+    the other per-token means (clip fractions, ``ppo_kl``, entropy, KL): weighted by ``tokens``.
+    One process: its metrics as they are.
+    """
+    if len(parts) == 1:
+        return dict(parts[0][0])
+    names = dict.fromkeys(name for metrics, _ in parts for name in metrics)
+    out: dict[str, float] = {}
+    for name in names:
+        present = [(float(metrics[name]), weights) for metrics, weights in parts if name in metrics]
+        if name in RANK_MEAN_METRICS:
+            out[name] = sum(value for value, _ in present) / len(parts)
+        elif name == "log_prob_gap_max":
+            out[name] = max(value for value, _ in present)
+        else:
+            key = "gap_tokens" if name == "log_prob_gap_mean" else "tokens"
+            total = sum(weights[key] for _, weights in present)
+            out[name] = sum(value * weights[key] for value, weights in present) / total if total else 0.0
+    return out
+
+
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) value made whole; a plain tensor as it is."""
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
+
+
 def log_prob_gap(t: Mapping[str, torch.Tensor], recomputed: torch.Tensor) -> dict[str, float]:
     """How far the proxy's recorded log-probs are from the learner's, over the rows that have them."""
     recorded = t.get("rollout_log_probs")
@@ -341,7 +479,8 @@ def restore_random_states(states: Mapping[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
 
 
-def _copy_tokenizer(source: Path, target: Path) -> None:
+def copy_tokenizer(source: Path, target: Path) -> None:
+    """The tokenizer files of a model directory into a checkpoint (the engine started from it needs them)."""
     if source.resolve() == target.resolve():
         return
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):

@@ -39,6 +39,7 @@ from lightning_grpc.client.proxy import ProxyClient
 from lightning_grpc.proxy import Backend
 from lightning_grpc.types import ProxyLLM, RolloutConfig, Span
 
+from .distributed import DistributedLearner
 from .experiment import ExperimentConfig, read_tasks
 from .learner import Learner, UpdateInput, reward_metrics, rollout_rewards_and_groups
 from .metrics import MetricsLog, summary_line
@@ -136,7 +137,7 @@ class TrainingRun:
         self.train_tasks = read_tasks(config.path(config.agent.train_tasks))
         self.val_tasks = read_tasks(config.path(config.agent.val_tasks)) if config.agent.val_tasks else []
         self.services: Services | None = None
-        self.learner: Learner | None = None
+        self.learner: Learner | DistributedLearner | None = None
         self.pad_id = 0
         self.policy_version = 0
         self.metrics = MetricsLog(self._prepared_output())
@@ -167,6 +168,10 @@ class TrainingRun:
                     str(path),
                     "--seed",
                     str(self.config.experiment.seed),
+                    "--hidden-size",
+                    str(self.config.model.init_hidden_size),
+                    "--heads",
+                    str(self.config.model.init_heads),
                 ],
                 capture_output=True,
                 text=True,
@@ -175,13 +180,27 @@ class TrainingRun:
                 raise RuntimeError(f"init-model failed:\n{done.stdout}{done.stderr}")
         return path
 
-    def _learner(self, model_dir: Path) -> tuple[Learner, int]:
+    def _learner(self, model_dir: Path) -> tuple[Learner | DistributedLearner, int]:
+        """The learner: in this process, or with ``[learner] ranks > 1`` FSDP ranks placed by Ray."""
         torch.set_num_threads(self.config.services.trainer_threads)
         options: dict[str, Any] = {
             "ppo_config": self.config.ppo,
             "optim": self.config.optim,
             "seed": self.config.experiment.seed,
         }
+        section = self.config.learner
+        if section.ranks > 1:
+            self.say(f"starting the learner's {section.ranks} ranks (Ray actors, FSDP)")
+            options.update(
+                ranks=section.ranks,
+                dist_backend=section.dist_backend,
+                ray_address=section.ray_address,
+                threads=self.config.services.trainer_threads,
+            )
+            if self.resume is not None:
+                ranked, extra = DistributedLearner.resume(self.resume, **options)
+                return ranked, int(extra.get("policy_version", ranked.step))
+            return DistributedLearner(model_path=model_dir, **options), 0
         if self.resume is not None:
             learner, extra = Learner.resume(self.resume, **options)
             return learner, int(extra.get("policy_version", learner.step))
@@ -214,6 +233,8 @@ class TrainingRun:
         finally:
             self.services.stop()
             self.metrics.close()
+            if isinstance(self.learner, DistributedLearner):
+                self.learner.close()  # its ranks, and the Ray it started
 
     async def _run_with_services(self, first_step: int, started: float) -> RunResult:
         assert self.services is not None and (self.learner is not None or self.backend is not None)
@@ -422,29 +443,37 @@ class TrainingRun:
         return self.pad_id
 
     async def publish_weights(self, *, pause: bool) -> None:
-        """The learner's weights into the engine, as policy version ``self.policy_version``."""
+        """The learner's weights into the engine (:mod:`.engines`), as policy version ``self.policy_version``.
+
+        Sync mode (``pause``): the proxy holds new calls and drains those in flight, the engine pauses too
+        (vLLM: ``/pause``), the weights swap, then both resume. An engine whose answers carry no policy
+        version (vLLM) reports the one it now serves, and the proxy's backend entry is set to it, so every
+        later call records what the engine said.
+        """
         assert self.learner is not None and self.services is not None
+        engine = self.services.engine
+        if engine is None:
+            raise RuntimeError("no engine serves the policy: nothing to publish the weights to")
         path = self.learner.export_weights(self.out / "weights")
         if pause:
             await self.proxy.pause("weight update")
             await self.proxy.drain(timeout=120)
+            await engine.pause()
         try:
-            async with self.http.post(
-                f"{self.services.engine_url}/admin/load_weights",
-                json={"path": str(path.resolve()), "policy_version": self.policy_version},
-                headers={"Authorization": f"Bearer {self.services.engine_admin_key}"},
-            ) as resp:
-                if resp.status == 401:
-                    raise RuntimeError(
-                        "the engine refused the new weights: its admin key is needed; set "
-                        "$LIGHTNING_GRPC_ENGINE_ADMIN_KEY to it (the engine logs the file it wrote it to)"
-                    )
-                if resp.status != 200:
-                    raise RuntimeError(
-                        f"the engine refused the new weights: {resp.status} {await resp.text()}"
-                    )
+            served = await engine.load_weights(path, self.policy_version)
+            if not engine.reports_version:
+                await self.proxy.set_backends(
+                    [
+                        Backend(
+                            model_name=self.config.model.served_name,
+                            api_base=f"{engine.url}/v1",
+                            policy_version=served,
+                        )
+                    ]
+                )
         finally:
             if pause:
+                await engine.resume()
                 await self.proxy.resume()
 
     # ------------------------------------------------------------ validation

@@ -288,7 +288,9 @@ def count_rollout_tokens(
     """
     size = int(rollout_index.max()) + 1 if num_rollouts is None else num_rollouts
     row_tokens = response_mask.sum(dim=-1).to(torch.float32)
-    return torch.zeros(size, dtype=torch.float32).index_add_(0, rollout_index, row_tokens)
+    return torch.zeros(size, dtype=torch.float32, device=rollout_index.device).index_add_(
+        0, rollout_index, row_tokens
+    )
 
 
 # --- losses -----------------------------------------------------------------------------------------

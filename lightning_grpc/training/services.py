@@ -1,5 +1,6 @@
-"""What a training run talks to: the engine, the server (Store, Trainer and the hosted proxy) and a runner
-fleet. Each is started here as a ``lightning-grpc`` child process unless the experiment names a running one."""
+"""What a training run talks to: the engine (:mod:`.engines`: the embedded one or vLLM), the server (Store,
+Trainer and the hosted proxy) and a runner fleet. Each is started here as a child process unless the
+experiment names a running one."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from lightning_grpc import logs
 from lightning_grpc.processes import Background, child_env, log_field
 
+from .engines import EmbeddedEngine, Engine, VllmEngine, make_engine
 from .experiment import ExperimentConfig
 
 log = logs.get_logger("lightning_grpc.trainer")
@@ -33,6 +35,8 @@ class Services:
     engine_admin_key: str = field(default="", repr=False)
     #: The web dashboard of the server this run started ("" when it uses a running one).
     dashboard_url: str = ""
+    #: The engine behind the proxy (started here or running elsewhere); None when an update backend serves.
+    engine: Engine | None = None
 
     def check_alive(self) -> None:
         """Raise when a process this run started has exited."""
@@ -46,6 +50,8 @@ class Services:
         """Stop the processes this run started, runners first."""
         for process in reversed(self.started):
             process.stop(timeout=20)
+        if self.engine is not None:
+            self.engine.stop()  # what it keeps besides its processes (vLLM's socket directory)
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -69,40 +75,28 @@ def start_services(
 ) -> Services:
     """Start what the experiment does not name; returns once everything serves.
 
-    ``start_engine=False``: the model is served elsewhere (an update backend's inference servers, set as the
-    proxy's backends once they run); the proxy starts without backends.
+    The engine is the one ``[engine]`` chooses (:func:`~.engines.make_engine`: the embedded engine, or a
+    vLLM server), started here unless ``services.engine`` names a running one. ``start_engine=False``: the
+    model is served elsewhere (an update backend's inference servers, set as the proxy's backends once they
+    run); the proxy starts without backends.
     """
     svc = config.services
     started: list[Background] = []
+    engine = make_engine(config) if start_engine or svc.engine else None
     try:
-        engine_url = svc.engine
-        admin_key = os.environ.get("LIGHTNING_GRPC_ENGINE_ADMIN_KEY", "")
-        if not engine_url and start_engine:
-            admin_key = secrets.token_urlsafe(32)  # handed to the child in its environment, not its arguments
-            engine = Background(
-                "engine",
-                [
-                    *CLI,
-                    "engine",
-                    "--model",
-                    str(model_dir),
-                    "--port",
-                    "0",
-                    "--served-model-name",
-                    config.model.served_name,
-                    "--threads",
-                    str(svc.engine_threads),
-                    "--policy-version",
-                    str(policy_version),
-                    "--max-batch-size",
-                    str(max(64, config.agent.concurrency * config.agent.processes)),
-                ],
-                {**_env(svc.engine_threads), "LIGHTNING_GRPC_ENGINE_ADMIN_KEY": admin_key},
-            )
-            started.append(engine)
-            engine_url = "http://" + log_field(
-                engine.wait_for("event=engine_started", timeout=120)[0], "address"
-            )
+        engine_url = ""
+        served_version = policy_version
+        if engine is not None:
+            engine_url = engine.start(model_dir, policy_version)
+            started.extend(engine.processes)
+            if isinstance(engine, VllmEngine) and engine.socket_dir is not None:
+                served_version = engine.served_version()
+        # engines whose answers carry no policy version: the proxy's backend entry carries it
+        version_args = (
+            ["--proxy-policy-version", str(served_version)]
+            if engine is not None and not engine.reports_version
+            else []
+        )
         store, proxy_url, proxy_grpc = svc.store, svc.proxy, svc.proxy_grpc or svc.store
         dashboard_url = ""
         if not store:
@@ -123,6 +117,7 @@ def start_services(
                             f"{engine_url}/v1",
                             "--proxy-model-name",
                             config.model.served_name,
+                            *version_args,
                         ]
                         if engine_url
                         else ["--proxy"]
@@ -149,12 +144,15 @@ def start_services(
             proxy_grpc,
             engine_url,
             started,
-            engine_admin_key=admin_key,
+            engine_admin_key=engine.admin_key if isinstance(engine, EmbeddedEngine) else "",
             dashboard_url=dashboard_url,
+            engine=engine,
         )
     except BaseException:
         for process in reversed(started):
             process.stop(timeout=10)
+        if engine is not None:
+            engine.stop()
         raise
 
 
