@@ -12,6 +12,9 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+#: The arguments that run ``lightning-grpc`` with a Python interpreter (``python -m ...``).
+CLI = ["-m", "lightning_grpc.cli.main"]
+
 
 class Background:
     """A child process whose output (stdout and stderr together) a thread reads line by line."""
@@ -132,3 +135,15 @@ def stop_with_parent(interval: float = 1.0) -> None:
 def child_env() -> dict[str, str]:
     """This environment without LIGHTNING_GRPC_* settings (a token or store address of the user's own)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_GRPC_")}
+
+
+def model_child_env(threads: int) -> dict[str, str]:
+    """:func:`child_env` for a child that runs a model: ``threads`` torch threads, no model hub."""
+    return {
+        **child_env(),
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }

@@ -50,6 +50,26 @@ async def client(server: RunningServer) -> AsyncIterator[StoreClient]:
         await c.close()
 
 
+@pytest_asyncio.fixture
+async def store_server() -> AsyncIterator[RunningServer]:
+    """A Store server in memory, no token (files that need another define their own)."""
+    running = await start_server(ServerConfig(port=0, grace=1.0))
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+@pytest_asyncio.fixture
+async def store(store_server: RunningServer) -> AsyncIterator[StoreClient]:
+    """A client of :func:`store_server`."""
+    client = StoreClient(f"127.0.0.1:{store_server.port}")
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
 def status_of(exc: BaseException) -> str:
     """The gRPC status code name of a raw stub error."""
     assert isinstance(exc, grpc.RpcError)

@@ -52,24 +52,6 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
 
 
 # ---------------------------------------------------------------- store, proxy, agents
-@pytest_asyncio.fixture
-async def store_server() -> AsyncIterator[RunningServer]:
-    running = await start_server(ServerConfig(port=0, grace=1.0))
-    try:
-        yield running
-    finally:
-        await running.stop()
-
-
-@pytest_asyncio.fixture
-async def store(store_server: RunningServer) -> AsyncIterator[StoreClient]:
-    client = StoreClient(f"127.0.0.1:{store_server.port}")
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
 def _config(store_server: RunningServer, backends: list[Backend], **kw: Any) -> ProxyConfig:
     return ProxyConfig(store=f"127.0.0.1:{store_server.port}", backends=backends, **kw)
 

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from lightning_grpc.processes import CLI
+
 READY_EVENT = "event=engine_started"
 
 
@@ -65,7 +67,7 @@ class EngineProcess:
 
     def start(self, timeout: float = 120.0) -> EngineProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_grpc.cli.main", "engine", *self.args],
+            [sys.executable, *CLI, "engine", *self.args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -37,7 +37,7 @@ from typing import Any
 from lightning_grpc import semconv
 from lightning_grpc.algorithm import Algorithm, RolloutResult
 from lightning_grpc.client import ClientConfig, StoreClient
-from lightning_grpc.processes import Background, child_env, log_field
+from lightning_grpc.processes import CLI, Background, child_env, log_field
 from lightning_grpc.runner import rollout
 from lightning_grpc.tracing import operation
 from lightning_grpc.types import AttemptStatus, PromptTemplate, RolloutConfig, RolloutStatus, Span
@@ -303,12 +303,12 @@ async def search_and_report(store: str | ClientConfig, timeout: float) -> bool:
 
 # ================================================================ the processes
 def start_store(db: Path) -> Background:
-    args = ["-m", "lightning_grpc.cli.main", "serve", "--port", "0", "--db", str(db), "--grace", "2"]
+    args = [*CLI, "serve", "--port", "0", "--db", str(db), "--grace", "2"]
     return Background("store", args, child_env())
 
 
 def start_runners(address: str, processes: int, concurrency: int) -> Background:
-    args = ["-m", "lightning_grpc.cli.main", "runner", AGENT_REF, "--store", address]
+    args = [*CLI, "runner", AGENT_REF, "--store", address]
     args += ["--concurrency", str(concurrency), "--processes", str(processes), "--poll-wait", "1"]
     return Background("runners", args, child_env())
 

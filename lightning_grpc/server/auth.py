@@ -102,8 +102,7 @@ class AccessControl:
         if principal.role == Role.ATTEMPT:
             if (rollout_id, attempt_id) != (principal.rollout_id, principal.attempt_id):
                 raise refuse_attempt(principal, rollout_id, attempt_id)
-            self._check_still_running(principal)
-            return
+            return  # whether it still runs was checked when the call was admitted
         attempt = self.store.find_attempt(rollout_id, attempt_id) if self.store is not None else None
         if attempt is None and self.store is not None:
             return  # the store answers NOT_FOUND, as it would to the admin

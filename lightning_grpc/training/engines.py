@@ -45,13 +45,12 @@ from typing import Any, Protocol
 import aiohttp
 
 from lightning_grpc import logs
-from lightning_grpc.processes import Background, child_env, log_field
+from lightning_grpc.processes import CLI, Background, log_field, model_child_env
 
 from .experiment import ExperimentConfig
 
 log = logs.get_logger("lightning_grpc.trainer")
 
-CLI = ["-m", "lightning_grpc.cli.main"]
 VLLM_PYTHON_ENV = "LIGHTNING_GRPC_VLLM_PYTHON"
 #: Where ``make vllm-env`` builds vLLM's environment (the repository root's ``.venv-vllm``).
 DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
@@ -89,17 +88,6 @@ class Engine(Protocol):
     async def resume(self) -> None: ...
 
     def stop(self) -> None: ...
-
-
-def _env(threads: int) -> dict[str, str]:
-    return {
-        **child_env(),
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
 
 
 def _stop_all(processes: Sequence[Background], timeout: float = 20) -> None:
@@ -147,7 +135,7 @@ class EmbeddedEngine:
                 "--max-batch-size",
                 str(self.max_batch_size),
             ],
-            {**_env(self.threads), "LIGHTNING_GRPC_ENGINE_ADMIN_KEY": self.admin_key},
+            {**model_child_env(self.threads), "LIGHTNING_GRPC_ENGINE_ADMIN_KEY": self.admin_key},
         )
         self.processes.append(engine)
         self.url = "http://" + log_field(engine.wait_for("event=engine_started", timeout=120)[0], "address")
@@ -334,7 +322,7 @@ class VllmEngine:
 
     def environment(self) -> dict[str, str]:
         return {
-            **_env(self.threads),
+            **model_child_env(self.threads),
             # its internal sockets on loopback (else it picks a non-loopback interface)
             "VLLM_HOST_IP": "127.0.0.1",
             **(
@@ -374,7 +362,7 @@ class VllmEngine:
             gate = Background(
                 "engine-gate",
                 ["-m", "lightning_grpc.training.engines", "gate", "--uds", str(self.socket_path)],
-                _env(1),
+                model_child_env(1),
             )
             self.processes.append(gate)
             address = log_field(gate.wait_for("event=engine_gate_started", timeout=60)[0], "address")

@@ -10,14 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_grpc import logs
-from lightning_grpc.processes import Background, child_env, log_field
+from lightning_grpc.processes import CLI, Background, log_field, model_child_env
 
-from .engines import EmbeddedEngine, Engine, VllmEngine, make_engine
+from .engines import Engine, VllmEngine, make_engine
 from .experiment import ExperimentConfig
 
 log = logs.get_logger("lightning_grpc.trainer")
-
-CLI = ["-m", "lightning_grpc.cli.main"]
 
 
 @dataclass
@@ -27,12 +25,8 @@ class Services:
     store: str
     proxy_url: str
     proxy_grpc: str
-    engine_url: str
     started: list[Background] = field(default_factory=list)
     runners: Background | None = None
-    #: The engine's admin key (for /admin/load_weights): made for an engine this run starts, else taken
-    #: from $LIGHTNING_GRPC_ENGINE_ADMIN_KEY.
-    engine_admin_key: str = field(default="", repr=False)
     #: The web dashboard of the server this run started ("" when it uses a running one).
     dashboard_url: str = ""
     #: The engine behind the proxy (started here or running elsewhere); None when an update backend serves.
@@ -52,17 +46,6 @@ class Services:
             process.stop(timeout=20)
         if self.engine is not None:
             self.engine.stop()  # what it keeps besides its processes (vLLM's socket directory)
-
-
-def _env(threads: int) -> dict[str, str]:
-    return {
-        **child_env(),
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
 
 
 def start_services(
@@ -125,7 +108,7 @@ def start_services(
                     "--proxy-port",
                     "0",
                 ],
-                _env(1),
+                model_child_env(1),
             )
             started.append(server)
             store = log_field(server.wait_for("event=server_started", timeout=60)[0], "address")
@@ -142,9 +125,7 @@ def start_services(
             store,
             _http(proxy_url),
             proxy_grpc,
-            engine_url,
             started,
-            engine_admin_key=engine.admin_key if isinstance(engine, EmbeddedEngine) else "",
             dashboard_url=dashboard_url,
             engine=engine,
         )
@@ -180,7 +161,7 @@ def start_runners(config: ExperimentConfig, services: Services) -> Background | 
             "--heartbeat-interval",
             "10",
         ],
-        {**_env(1), "PYTHONPATH": str(Path.cwd())},
+        {**model_child_env(1), "PYTHONPATH": str(Path.cwd())},
     )
     try:
         runners.wait_for("event=runner_started", count=config.agent.processes, timeout=120)
@@ -196,7 +177,7 @@ def command_env(config: ExperimentConfig, services: Services, index: int) -> dic
     """What a runner in another language is told: the store, its concurrency and worker id, and (unless the
     environment already names one) the store's port as its OTLP/gRPC endpoint."""
     env = {
-        **_env(1),
+        **model_child_env(1),
         "LIGHTNING_GRPC_STORE": services.store,
         "LIGHTNING_GRPC_CONCURRENCY": str(config.agent.concurrency),
         "LIGHTNING_GRPC_WORKER_ID": f"{config.experiment.name}-runner-{index}-{secrets.token_hex(3)}",

@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from lightning_grpc.client import StoreClient
 from lightning_grpc.proxy import Backend, LLMProxy, ProxyConfig
-from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
+from lightning_grpc.server.app import RunningServer
 from lightning_grpc.training.engines import DEFAULT_VLLM_VENV, VLLM_PYTHON_ENV, VllmEngine
 from tests.engine_fixtures import CLI, QUIET_ENV, ROOT, loopback_guard
 
@@ -98,24 +97,6 @@ def vllm_backend(engine: VllmEngine, policy_version: int = 0) -> Backend:
     return Backend(
         model_name=MODEL, api_base=f"{engine.url}/v1", backend_model=SERVED, policy_version=policy_version
     )
-
-
-@pytest_asyncio.fixture
-async def store_server() -> AsyncIterator[RunningServer]:
-    running = await start_server(ServerConfig(port=0, grace=1.0))
-    try:
-        yield running
-    finally:
-        await running.stop()
-
-
-@pytest_asyncio.fixture
-async def store(store_server: RunningServer) -> AsyncIterator[StoreClient]:
-    client = StoreClient(f"127.0.0.1:{store_server.port}")
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 @pytest_asyncio.fixture

@@ -16,12 +16,11 @@ from tests.engine_fixtures import CLI, QUIET_ENV, ROOT
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_training_with_vllm_serving_the_policy(vllm_python: str, tmp_path: Path, mode: str) -> None:
+def train_vllm_example(vllm_python: str, tmp_path: Path, settings: dict[str, str]) -> list[dict[str, str]]:
+    """``lightning-grpc train examples/combination_lock/vllm.toml`` with ``settings`` (no validation, output in
+    ``tmp_path``); the rows of its metrics.csv."""
     settings = {
-        "experiment.steps": "3",
-        "experiment.mode": mode,
-        **({"experiment.async_groups": "32"} if mode == "async" else {}),
+        **settings,
         "experiment.output_dir": str(tmp_path / "run"),
         "model.path": str(tmp_path / "model"),
         "validation.every": "0",
@@ -42,7 +41,17 @@ def test_training_with_vllm_serving_the_policy(vllm_python: str, tmp_path: Path,
         timeout=800,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    return list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_training_with_vllm_serving_the_policy(vllm_python: str, tmp_path: Path, mode: str) -> None:
+    settings = {
+        "experiment.steps": "3",
+        "experiment.mode": mode,
+        **({"experiment.async_groups": "32"} if mode == "async" else {}),
+    }
+    rows = train_vllm_example(vllm_python, tmp_path, settings)
     assert [int(float(r["policy_version"])) for r in rows] == [1, 2, 3]
     for row in rows:
         assert float(row["batch_rows"]) > 0
@@ -69,27 +78,8 @@ def test_the_reward_rises_with_vllm_serving_and_two_fsdp_ranks_learning(
     whole demo opens the lock in about 105 steps: see the README's "Real engines"."""
     settings = {
         "experiment.steps": "30",
-        "experiment.output_dir": str(tmp_path / "run"),
-        "model.path": str(tmp_path / "model"),
-        "validation.every": "0",
-        "agent.val_tasks": '""',
     }
-    done = subprocess.run(
-        [
-            *CLI,
-            "train",
-            str(ROOT / "examples" / "combination_lock" / "vllm.toml"),
-            "--no-progress",
-            *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")],
-        ],
-        cwd=ROOT,
-        env={**QUIET_ENV, VLLM_PYTHON_ENV: vllm_python},
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    rows = train_vllm_example(vllm_python, tmp_path, settings)
     rewards = [float(r["reward_mean"]) for r in rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     print(f"\nvLLM + 2 ranks: reward_mean first 3 steps {first:.3f} -> last 5 steps {last:.3f}")
