@@ -44,6 +44,10 @@ NOT_RUN = {
         "sections of examples/combination_lock/vllm.toml, which tests/vllm/test_vllm_training.py trains with"
         " (`make vllm-test`); test_the_real_engines_block_is_the_vllm_examples_settings checks them"
     ),
+    ".venv/bin/python -m lightning_grpc.training.engines extension": (
+        "needs vLLM's environment; tests/vllm/test_vllm_training.py runs the extension command and a vLLM"
+        " started this way, then trains against it by address (`make vllm-test`)"
+    ),
     ".venv/bin/grpcurl": (
         "tests/test_grpcurl.py runs each line as written, against `serve` without and with a token"
     ),

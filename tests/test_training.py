@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import socket
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -267,3 +269,44 @@ def test_learner_ranks_train_as_fsdp_ranks_placed_by_ray_and_resume(tmp_path: Pa
     assert [r["step"] for r in resumed] == ["3", "4"]
     for name in ("reward_mean", "pg_loss", "grad_norm", "policy_version", "rank0_tokens"):
         assert [r[name] for r in resumed] == [r[name] for r in whole[2:]], name
+
+
+def test_a_vllm_named_by_address_that_cannot_serve_the_run_is_refused_saying_why(
+    tmp_path: Path, tiny_model: Path, engine: Any
+) -> None:
+    """``[engine] kind = "vllm"`` with ``services.engine`` naming a server: the run checks it before it
+    trains and stops with what to change (the checks a real vLLM passes are in tests/vllm)."""
+    from lightning_grpc.training.engines import EngineError, VllmEngine
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    cases = {
+        closed: r"vLLM at http://127\.0\.0\.1:\d+ \(services\.engine\) does not answer",
+        # the embedded engine answers /health and /v1 but serves "tiny", and has no vLLM control routes
+        engine.api_base: r"serves \['tiny'\], not model\.served_name = 'policy': start it with "
+        r"--served-model-name policy",
+    }
+    for url, message in cases.items():
+        with pytest.raises(EngineError, match=message):
+            VllmEngine(url=url.removesuffix("/v1"), served_name="policy").start(tiny_model, 0)
+    with pytest.raises(EngineError, match=r"no control routes .* VLLM_SERVER_DEV_MODE=1"):
+        VllmEngine(url=engine.api_base.removesuffix("/v1"), served_name="tiny").start(tiny_model, 0)
+    # through the command line: exit code 2 and the reason, no traceback
+    config = tmp_path / "named.toml"
+    config.write_text(
+        f'[agent]\nagent = "{AGENT_REF}"\ntrain_tasks = "train.jsonl"\n'
+        f'[model]\npath = "{tiny_model}"\nserved_name = "tiny"\n'
+        f'[engine]\nkind = "vllm"\n[services]\nengine = "{engine.api_base}"\n'
+    )
+    write_jsonl(train_tasks(), tmp_path / "train.jsonl")
+    done = subprocess.run(
+        [*CLI, "train", str(config), "--no-progress", "--set", f"experiment.output_dir={tmp_path / 'out'}"],
+        env=QUIET_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "error: vLLM at" in done.stderr and "VLLM_SERVER_DEV_MODE=1" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

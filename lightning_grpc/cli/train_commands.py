@@ -59,6 +59,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from lightning_grpc.training.engines import EngineError
     from lightning_grpc.training.experiment import ConfigError, load_experiment
     from lightning_grpc.training.loop import run_experiment
 
@@ -76,7 +77,11 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume is not None and not (args.resume / "trainer_state.pt").exists():
         print(f"error: --resume {args.resume} is not a checkpoint (no trainer_state.pt)", file=sys.stderr)
         return 2
-    result = run_experiment(config, resume=args.resume, progress=not args.no_progress)
+    try:
+        result = run_experiment(config, resume=args.resume, progress=not args.no_progress)
+    except EngineError as exc:  # an engine that cannot serve the run: what to change, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(report(result, config.validation.target))
     return 0
 

@@ -254,7 +254,8 @@ class VllmEngine:
 
     ``url`` set at construction: a vLLM already running there (``services.engine``): its inference is
     used, and weights go to its control routes at the same address (they must be reachable: vLLM's
-    ``--api-key`` does not cover them, so keep such a server on a private network).
+    ``--api-key`` does not cover them, so keep such a server on a private network). :meth:`start` then
+    checks that it can serve the run (:meth:`_attach`) and refuses, saying what to change, when not.
     """
 
     model_dir: Path | None = None
@@ -274,6 +275,8 @@ class VllmEngine:
     #: Seconds from the start of vLLM's process to its first healthy answer, and of the last reload.
     start_seconds: float = 0.0
     reload_seconds: float = 0.0
+    #: Whether vLLM's workers have :data:`VLLM_WORKER_EXTENSION` (always when started here).
+    refreshes_head: bool = False
 
     @property
     def socket_path(self) -> Path | None:
@@ -342,10 +345,12 @@ class VllmEngine:
 
     def start(self, model_dir: Path, policy_version: int) -> str:
         if self.url:  # already running
+            self._attach(model_dir, policy_version)
             return self.url
         self.model_dir = model_dir
+        self.refreshes_head = True
         self.socket_dir = Path(tempfile.mkdtemp(prefix="lightning-grpc-vllm-"))  # mode 0700
-        (self.socket_dir / "lightning_grpc_vllm_worker.py").write_text(VLLM_WORKER_EXTENSION)
+        write_worker_extension(self.socket_dir)
         started = time.monotonic()
         try:
             server = Background(
@@ -379,6 +384,59 @@ class VllmEngine:
         )
         return self.url
 
+    def _attach(self, model_dir: Path, policy_version: int) -> None:
+        """Checks that the vLLM at ``url`` can serve this run and sets its weight version; EngineError,
+        naming what to change, when it cannot: it must answer, serve ``model.served_name`` on ``/v1``
+        without an API key (the proxy calls it without one), have its control routes
+        (``VLLM_SERVER_DEV_MODE=1``), and, for a model with tied embeddings, this project's worker extension
+        (see :data:`VLLM_WORKER_EXTENSION`; ``python -m lightning_grpc.training.engines extension DIR``)."""
+        import json
+
+        where = f"vLLM at {self.url} (services.engine)"
+        try:
+            status, _ = self._sync_call("GET", "/health", timeout=10, check=False)
+        except OSError as exc:
+            raise EngineError(f"{where} does not answer: {exc}") from None
+        if status != 200:
+            raise EngineError(f"{where} is not healthy: GET /health answered {status}")
+        status, data = self._sync_call("GET", "/v1/models", check=False)
+        if status == 401:
+            raise EngineError(
+                f"{where} asks for an API key on /v1; the run's proxy calls it without one: serve it "
+                "without --api-key, on a network only the run reaches"
+            )
+        served = [m.get("id") for m in json.loads(data or b"{}").get("data", [])] if status == 200 else []
+        if self.served_name not in served:
+            raise EngineError(
+                f"{where} serves {served or 'no model'}, not model.served_name = {self.served_name!r}: "
+                f"start it with --served-model-name {self.served_name}"
+            )
+        status, _ = self._sync_call("GET", "/weight_info", check=False)
+        if status == 404:
+            raise EngineError(
+                f"{where} has no control routes (GET /weight_info answered 404): start it with "
+                "VLLM_SERVER_DEV_MODE=1 in its environment; the run reloads weights and sets the policy "
+                "version through them"
+            )
+        status, _ = self._sync_call(
+            "POST", "/collective_rpc", {"method": "lightning_refresh_tied_head"}, check=False
+        )
+        self.refreshes_head = 200 <= status < 300
+        if not self.refreshes_head and ties_embeddings(model_dir):
+            raise EngineError(
+                f"{where} lacks lightning-grpc's worker extension, which a model with tied embeddings "
+                f"({model_dir}) needs after each reload, or vLLM keeps sampling from the old output head: "
+                "write it with `python -m lightning_grpc.training.engines extension DIR` and start vLLM "
+                f"with DIR on its PYTHONPATH and --worker-extension-cls {VLLM_WORKER_EXTENSION_CLS}"
+            )
+        self._sync_call("POST", "/update_weight_version", {"new_version": str(policy_version)})
+        log.info(
+            "event=vllm_attached url=%s policy_version=%d refreshes_head=%s",
+            self.url,
+            policy_version,
+            self.refreshes_head,
+        )
+
     def _wait_healthy(self, server: Background) -> None:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
@@ -399,25 +457,33 @@ class VllmEngine:
     def _sync_call(
         self, method: str, path: str, body: Any = None, *, timeout: float = 60.0, check: bool = True
     ) -> tuple[int, bytes]:
-        """A control call over the Unix socket without an event loop (while the run starts its services)."""
+        """A control call without an event loop (while the run starts its services): over the Unix socket
+        of a vLLM started here, else to ``url``."""
         import http.client
         import json
         import socket
+        from urllib.parse import urlsplit
 
-        assert self.socket_path is not None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        conn = http.client.HTTPConnection("vllm", timeout=timeout)
+        sock: socket.socket | None = None
+        if self.socket_path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            conn = http.client.HTTPConnection("vllm", timeout=timeout)
+        else:
+            parts = urlsplit(self.url)
+            conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
         try:
-            sock.connect(str(self.socket_path))
-            conn.sock = sock
+            if sock is not None:
+                sock.connect(str(self.socket_path))
+                conn.sock = sock
             payload = None if body is None else json.dumps(body).encode()
             conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             status, data = resp.status, resp.read()
         finally:
             conn.close()
-            sock.close()
+            if sock is not None:
+                sock.close()
         if check and not 200 <= status < 300:
             raise EngineError(f"vLLM {method} {path}: {status} {data[:2000].decode('utf-8', 'replace')}")
         return status, data
@@ -453,7 +519,7 @@ class VllmEngine:
         return await self.reported_version()
 
     def served_version(self) -> int:
-        """:meth:`reported_version` without an event loop (vLLM started by this run)."""
+        """:meth:`reported_version` without an event loop (while the run starts its services)."""
         import json
 
         _, data = self._sync_call("GET", "/weight_info")
@@ -474,7 +540,7 @@ class VllmEngine:
             {"method": "reload_weights", "kwargs": {"weights_path": str(Path(path).resolve())}},
         )
         # the output head of a tied embedding re-made from the new weights (VLLM_WORKER_EXTENSION)
-        if self.socket_dir is not None:
+        if self.refreshes_head:
             await self.call("POST", "/collective_rpc", {"method": "lightning_refresh_tied_head"})
         # KV blocks cached under the old weights would answer later prompts with stale keys and values:
         # drop them (requests still running are preempted and recomputed with the new weights)
@@ -508,6 +574,23 @@ class VllmEngine:
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
             self.socket_dir = None
+
+
+def ties_embeddings(model_dir: Path) -> bool:
+    """Whether the model at ``model_dir`` shares its input embedding with its output head."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
+    return True if tied is None else bool(tied)  # transformers' own default
+
+
+def write_worker_extension(directory: Path) -> Path:
+    """Writes :data:`VLLM_WORKER_EXTENSION` into ``directory`` (for vLLM's PYTHONPATH); returns the file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "lightning_grpc_vllm_worker.py"
+    path.write_text(VLLM_WORKER_EXTENSION)
+    return path
 
 
 def _version(info: Any) -> int:
@@ -632,14 +715,26 @@ async def _serve_gate(socket_path: str, host: str, port: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> None:
-    """``python -m lightning_grpc.training.engines gate --uds PATH [--host H] [--port P]``."""
+    """``python -m lightning_grpc.training.engines gate --uds PATH [--host H] [--port P]`` or
+    ``... extension DIR``."""
     parser = argparse.ArgumentParser(prog="python -m lightning_grpc.training.engines")
     sub = parser.add_subparsers(dest="command", required=True)
     gate = sub.add_parser("gate", help="serve a Unix-socket vLLM's /v1 and /health on loopback TCP")
     gate.add_argument("--uds", required=True)
     gate.add_argument("--host", default="127.0.0.1")
     gate.add_argument("--port", type=int, default=0)
+    extension = sub.add_parser(
+        "extension", help="write the worker extension a vLLM you start yourself needs (tied embeddings)"
+    )
+    extension.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "extension":
+        path = write_worker_extension(args.directory)
+        print(
+            f"wrote {path}\nstart vLLM with PYTHONPATH={path.parent} VLLM_SERVER_DEV_MODE=1 and "
+            f"--worker-extension-cls {VLLM_WORKER_EXTENSION_CLS}"
+        )
+        return
     logs.configure_logging("INFO")
     from lightning_grpc.processes import stop_with_parent
 

@@ -72,7 +72,7 @@ def start_services(
         if engine is not None:
             engine_url = engine.start(model_dir, policy_version)
             started.extend(engine.processes)
-            if isinstance(engine, VllmEngine) and engine.socket_dir is not None:
+            if isinstance(engine, VllmEngine):
                 served_version = engine.served_version()
         # engines whose answers carry no policy version: the proxy's backend entry carries it
         version_args = (

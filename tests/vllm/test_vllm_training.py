@@ -4,13 +4,26 @@ every update's weights reach vLLM (the learner's log-probs of the tokens vLLM sa
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
+import os
+import signal
+import socket
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from lightning_grpc.training.engines import VLLM_PYTHON_ENV
+from lightning_grpc.processes import model_child_env
+from lightning_grpc.training.engines import (
+    VLLM_PYTHON_ENV,
+    VLLM_WORKER_EXTENSION_CLS,
+    EngineError,
+    VllmEngine,
+)
 from tests.engine_fixtures import CLI, QUIET_ENV, ROOT
 
 pytestmark = pytest.mark.timeout(900)
@@ -85,3 +98,97 @@ def test_the_reward_rises_with_vllm_serving_and_two_fsdp_ranks_learning(
     print(f"\nvLLM + 2 ranks: reward_mean first 3 steps {first:.3f} -> last 5 steps {last:.3f}")
     assert last >= first + 0.15, rewards
     assert all("update_rank1_seconds" in r for r in rows)  # the second rank took part in every update
+
+
+class UserVllm:
+    """vLLM as a user serves it themselves: its own OpenAI server on a loopback TCP port, started from
+    vLLM's environment (not by the run), in a process group of its own that :meth:`stop` ends."""
+
+    def __init__(self, python: str, model: Path, *, extension_dir: Path | None) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {
+            **QUIET_ENV,
+            **model_child_env(1),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+            **({"PYTHONPATH": str(extension_dir)} if extension_dir else {}),
+        }
+        command = [
+            python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048",
+            *(["--worker-extension-cls", VLLM_WORKER_EXTENSION_CLS] if extension_dir else []),
+        ]  # fmt: skip
+        self.log = (model.parent / f"vllm-{self.port}.log").open("w")
+        self.proc = subprocess.Popen(
+            command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, Path(self.log.name).read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError("vLLM did not serve within 600 s")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def test_training_against_a_vllm_the_user_serves_named_by_address(vllm_python: str, tmp_path: Path) -> None:
+    """``services.engine`` names a vLLM the user started: without this project's worker extension the run
+    refuses it (the tiny model ties its embeddings: vLLM-CPU would sample from a stale head after each
+    reload); started as the refusal says, the run trains through it, and vLLM's log-probs of what it sampled
+    equal the learner's at every step (the head followed the weights)."""
+    model = tmp_path / "model"
+    done = subprocess.run(
+        [*CLI, "init-model", str(model), "--hidden-size", "128"],
+        env=QUIET_ENV,
+        capture_output=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    bare = UserVllm(vllm_python, model, extension_dir=None)
+    try:
+        with pytest.raises(
+            EngineError, match=r"lacks lightning-grpc's worker extension.*--worker-extension-cls"
+        ):
+            VllmEngine(url=bare.url, served_name="policy").start(model, 0)
+    finally:
+        bare.stop()
+    extension = tmp_path / "extension"
+    written = subprocess.run(
+        [*CLI[:1], "-m", "lightning_grpc.training.engines", "extension", str(extension)],
+        env=QUIET_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert written.returncode == 0 and VLLM_WORKER_EXTENSION_CLS in written.stdout, written.stderr
+    served = UserVllm(vllm_python, model, extension_dir=extension)
+    try:
+        settings = {
+            "experiment.steps": "3",
+            "services.engine": f"{served.url}/v1",
+            "learner.ranks": "1",
+        }
+        rows = train_vllm_example(vllm_python, tmp_path, settings)
+        assert [int(float(r["policy_version"])) for r in rows] == [1, 2, 3]
+        for row in rows:
+            assert float(row["batch_rows"]) > 0
+            assert float(row["log_prob_gap_max"]) < 1e-4, row
+        with urllib.request.urlopen(f"{served.url}/weight_info", timeout=10) as resp:
+            assert json.loads(resp.read())["weight_version"] == "3"  # the version the run set last
+    finally:
+        served.stop()
