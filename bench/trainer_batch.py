@@ -38,8 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_grpc import semconv
+from lightning_grpc.batching import GroupSample
 from lightning_grpc.client import StoreClient, TrainerClient, TrainingBatch
-from lightning_grpc.trainer import GroupSample
 from lightning_grpc.types import Span
 
 #: The embedded engine's tiny model (``lightning-grpc init-model``) and Qwen2.5's vocabulary.

@@ -7,7 +7,7 @@
 Ours: the demo's loop (``examples/combination_lock/config.toml``) through the whole system: the engine,
 the server (Store, Trainer, proxy), a runner fleet playing the agent with the official OpenAI client, and
 the learner, in the demo's mode (async: the next groups are generated during the update) and, as a
-second figure, in the other mode. The peer: ``lightning_grpc.training.direct``, the same episodes generated in-process with the
+second figure, in the other mode. The peer: ``bench.direct``, the same episodes generated in-process with the
 same model and sampling rules and trained by the same learner. Both start from the same freshly built tiny
 model and run the same number of steps of ``batch_size`` groups x ``group_size`` rollouts, without
 validation. Reported: rollouts per second of each loop (the peer's over generation and update only), their
@@ -89,8 +89,8 @@ def _without_validation(config: Any) -> Any:
 
 
 def peer(model: Path, steps: int, config_path: Path = CONFIG) -> dict[str, Any]:
+    from bench.direct import DirectConfig, run_direct
     from lightning_grpc.examples.combination_lock import read_jsonl
-    from lightning_grpc.training.direct import DirectConfig, run_direct
     from lightning_grpc.training.experiment import load_experiment
 
     config = load_experiment(config_path)

@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from .engine_fixtures import QUIET_ENV
+from tests.engine_fixtures import QUIET_ENV
 
 
 def test_a_child_server_stops_when_its_parent_is_killed() -> None:

@@ -1965,7 +1965,7 @@ class StoreFuzzer(RuleBasedStateMachine):
             token = {INVALID, OUT_OF_RANGE} if request.resume_token else {OK}
         statuses = data.draw(st.lists(st.sampled_from([1, 5, 7, 0, 99]), max_size=2), label="statuses")
         request.statuses.extend(statuses)  # type: ignore[arg-type]
-        # (the shortest intervals the store takes; shorter ones are refused, see tests/test_hardening.py)
+        # (the shortest intervals the store takes; shorter ones are refused, see tests/server/test_hardening.py)
         interval = data.draw(
             st.sampled_from([None, (1, 0), (0, 100_000_000), (3601, 0), (-1, 0)]), label="interval"
         )

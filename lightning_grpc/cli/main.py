@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_grpc import logs
 from lightning_grpc.cli import proxy_commands
-from lightning_grpc.cli.inspect import add_store_option
+from lightning_grpc.cli.inspect_commands import add_store_option
 from lightning_grpc.errors import LightningError
 from lightning_grpc.processes import stop_with_parent
 
@@ -281,11 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     from lightning_grpc.cli import (
         credential_commands,
         engine_commands,
+        inspect_commands,
         queue_commands,
         train_commands,
         trainer_commands,
     )
-    from lightning_grpc.cli import inspect as inspect_commands
 
     inspect_commands.add_parsers(sub)
     queue_commands.add_parsers(sub)

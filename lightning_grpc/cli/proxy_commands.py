@@ -16,7 +16,7 @@ import urllib.request
 from typing import Any
 
 from lightning_grpc import logs
-from lightning_grpc.cli.inspect import add_store_option
+from lightning_grpc.cli.inspect_commands import add_store_option
 
 log = logs.get_logger("lightning_grpc.cli")
 

@@ -24,7 +24,7 @@ from lightning_grpc import types as t
 from lightning_grpc.algorithm import Algorithm
 from lightning_grpc.client import StoreClient
 
-from .inspect import common_options, format_table, format_time, jsonable, with_store_client
+from .inspect_commands import common_options, format_table, format_time, jsonable, with_store_client
 
 MODES = ("train", "val", "test")
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

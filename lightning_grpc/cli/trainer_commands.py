@@ -11,9 +11,9 @@ import asyncio
 import json
 from typing import Any
 
-from lightning_grpc.cli.inspect import common_options, format_fields, format_table, jsonable
+from lightning_grpc.batching import TrainerStatus
+from lightning_grpc.cli.inspect_commands import common_options, format_fields, format_table, jsonable
 from lightning_grpc.client import ClientConfig, RolloutTripletReport, TrainerClient
-from lightning_grpc.trainer import TrainerStatus
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -14,11 +14,10 @@ import numpy as np
 
 from lightning_grpc import convert
 from lightning_grpc import types as t
-from lightning_grpc.adapter import Drop, Triplet
-from lightning_grpc.trainer import BatchOptions, BatchRollout, GroupSample, Layout, RowInfo, TrainingEvent
-from lightning_grpc.trainer.batches import row_infos
-from lightning_grpc.trainer.core import GroupCounts, TrainerStatus
-from lightning_grpc.trainer.tensors import (
+from lightning_grpc.batching import BatchOptions, BatchRollout, GroupSample, Layout, RowInfo, TrainingEvent
+from lightning_grpc.batching.batches import row_infos
+from lightning_grpc.batching.core import GroupCounts, TrainerStatus
+from lightning_grpc.batching.tensors import (
     INDEX_ARRAYS,
     ROW_ARRAYS,
     Ragged,
@@ -27,6 +26,7 @@ from lightning_grpc.trainer.tensors import (
     pad,
     padded_outputs,
 )
+from lightning_grpc.triplets import Drop, Triplet
 from lightning_grpc.v1 import trainer_service_pb2 as pb
 from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
 

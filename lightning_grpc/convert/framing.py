@@ -3,7 +3,7 @@
 A serialized span is passed on as the bytes it arrived as: into a stored body, a span batch on the
 stream, a ListSpans/TailSpans answer. Every field key used for that is computed here once, at import,
 from the generated descriptors of the contract (``lightning.v1``), so the framing follows the contract
-and a field whose number or type changes cannot be framed wrongly. ``tests/test_framing.py`` checks
+and a field whose number or type changes cannot be framed wrongly. ``tests/convert/test_framing.py`` checks
 every hand-framed message against the generated classes.
 """
 

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
+from lightning_grpc.batching.core import TrainingEvent
+from lightning_grpc.batching.options import BatchOptions
 from lightning_grpc.errors import InvalidArgumentError
-from lightning_grpc.trainer.core import TrainingEvent
-from lightning_grpc.trainer.options import BatchOptions
 from lightning_grpc.v1 import trainer_service_pb2
 
 from .values import set_ts, ts_to_float

@@ -20,7 +20,7 @@ recalling or echoing a digit given in the conversation is not. Here the right di
 last message ("first" or "second"), and a right press counts as soon as it is made.
 
 Half of the training locks arrive *half open* (``preset=1``: "The first digit is already entered. Enter
-the second digit."). Measured with :mod:`lightning_grpc.training.direct`: with full locks only, the second
+the second digit."). Measured with :mod:`bench.direct`: with full locks only, the second
 digit is asked only after a right first press, so the policy first learns "always 3"; its rollouts then
 all earn 0.5, every GRPO group is flat (zero advantage, zero gradient) and it stays there (lr 1e-3:
 stuck at 0.5 from step 70 on; lr 3e-4 still under 0.05 after 90 steps). With half-open locks both
@@ -39,7 +39,7 @@ The pieces are pure and shared by every loop that plays the task: :func:`train_t
 :func:`val_tasks` (JSON-able task dicts), :func:`parse_digit`, :class:`Episode` (the lock's side of the
 conversation and the reward), :func:`call_seed` (a per-call sampling seed from the rollout id), the
 ``@rollout`` :func:`agent` that plays through an OpenAI-compatible endpoint (the Proxy), and
-:func:`render_transcript` for a before/after view. ``lightning_grpc.training.direct`` plays the same
+:func:`render_transcript` for a before/after view. ``bench.direct`` plays the same
 episodes by generating with the model in-process.
 """
 

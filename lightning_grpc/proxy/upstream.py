@@ -4,7 +4,7 @@ Two ways out, behind one interface (:class:`UpstreamCall`):
 
 - vLLM-dialect backends (vLLM, the embedded engine) are called directly with aiohttp and their
   bytes are passed through as they come. LiteLLM is *not* used for them (the trap of Agent
-  Lightning issue #262, checked against the engine by ``tests/test_proxy.py`` on litellm 1.106.2):
+  Lightning issue #262, checked against the engine by ``tests/proxy/test_proxy.py`` on litellm 1.106.2):
   its vLLM provider (``hosted_vllm/``) still drops the top-level ``prompt_token_ids`` and
   ``policy_version`` from streamed chunks; its generic ``openai/`` route keeps them today, but
   re-serializes every response (non-streamed ``choices[].token_ids`` move into

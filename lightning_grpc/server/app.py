@@ -17,13 +17,13 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from lightning_grpc import logs
+from lightning_grpc.batching import TrainerCore
 from lightning_grpc.processes import freeze_startup_heap
 from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
-from lightning_grpc.trainer import TrainerCore
 from lightning_grpc.v1 import store_service_pb2
 
-from .adapter import ServicerState, register_service
 from .auth import interceptors_for
+from .handlers import ServicerState, register_service
 from .health import HealthServicer
 from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
 from .store_servicer import StoreServicer, add_store_service, check_duration

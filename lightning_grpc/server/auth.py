@@ -35,8 +35,8 @@ from lightning_grpc.access import (
 from lightning_grpc.errors import LightningError, PermissionDeniedError, Reason, UnauthenticatedError
 from lightning_grpc.store import Store
 
-from .adapter import status_for
 from .caller import CALLER, Call
+from .status import status_for
 
 
 class AccessControl:

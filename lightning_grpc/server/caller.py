@@ -8,19 +8,26 @@ from __future__ import annotations
 import contextvars
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lightning_grpc.access import Principal, Role, Rule
 
-if TYPE_CHECKING:
-    from .auth import AccessControl
+
+class Checks(Protocol):
+    """What a handler asks of access control (:class:`.auth.AccessControl` is the one)."""
+
+    def authorize(self, call: Call, request: Any) -> None: ...
+
+    def answer(self, call: Call, response: Any) -> None: ...
+
+    def check_spans(self, call: Call, attempts: Iterable[tuple[str, str]]) -> None: ...
 
 
 @dataclass(frozen=True)
 class Call:
     """What the interceptor learned about a call, for its handler."""
 
-    control: AccessControl
+    control: Checks
     principal: Principal
     method: str
     rule: Rule

@@ -42,7 +42,7 @@ from lightning_grpc.store.core import MAX_BATCH_SPANS
 from lightning_grpc.v1 import common_pb2, span_pb2
 
 from . import caller
-from .adapter import ServicerState, Undecodable, unary
+from .handlers import ServicerState, Undecodable, unary
 
 log = logs.get_logger("lightning_grpc.server")
 

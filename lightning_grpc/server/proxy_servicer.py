@@ -11,8 +11,8 @@ from lightning_grpc.proxy.core import ProxyCore
 from lightning_grpc.v1 import proxy_service_pb2 as pb
 from lightning_grpc.v1 import proxy_service_pb2_grpc as pb_grpc
 
-from .adapter import ServicerState, register_service, unary
 from .app import ServiceHook
+from .handlers import ServicerState, register_service, unary
 
 PROXY_SERVICE = pb.DESCRIPTOR.services_by_name["ProxyService"].full_name
 Ctx = grpc.aio.ServicerContext

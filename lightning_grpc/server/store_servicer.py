@@ -16,7 +16,7 @@ from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
 from . import caller, wire
-from .adapter import ServicerState, Undecodable, register_service, streaming, unary
+from .handlers import ServicerState, Undecodable, register_service, streaming, unary
 
 Ctx = grpc.aio.ServicerContext
 

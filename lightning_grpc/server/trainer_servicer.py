@@ -9,16 +9,16 @@ import grpc
 import numpy as np
 
 from lightning_grpc import convert
+from lightning_grpc.batching import BatchOptions, BuiltBatch, GroupSample, Layout, TrainerCore, pad
+from lightning_grpc.batching.batches import SpanReader
+from lightning_grpc.batching.tensors import chunk_bounds, row_bytes
 from lightning_grpc.store import SpanSelection, Store
-from lightning_grpc.trainer import BatchOptions, BuiltBatch, GroupSample, Layout, TrainerCore, pad
-from lightning_grpc.trainer.batches import SpanReader
-from lightning_grpc.trainer.tensors import chunk_bounds, row_bytes
 from lightning_grpc.types import RolloutMode, Span
 from lightning_grpc.v1 import span_pb2
 from lightning_grpc.v1 import trainer_service_pb2 as pb
 from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
 
-from .adapter import ServicerState, register_service, streaming, unary
+from .handlers import ServicerState, register_service, streaming, unary
 
 Ctx = grpc.aio.ServicerContext
 TRAINER_SERVICE = pb.DESCRIPTOR.services_by_name["TrainerService"].full_name

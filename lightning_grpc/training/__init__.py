@@ -3,5 +3,5 @@
 ``loop`` runs an experiment (services, rollouts, updates, weight hand-off); ``learner`` and ``ppo``
 are the reference torch learner and its losses; ``verl_backend`` hands updates to verl on GPUs;
 ``direct`` is the in-process peer the benchmarks compare with. The batches themselves are built by
-:mod:`lightning_grpc.trainer`, which knows nothing of training.
+:mod:`lightning_grpc.batching`, which knows nothing of training.
 """

@@ -41,7 +41,6 @@ import atexit
 import os
 import socket
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,12 +56,15 @@ from .learner import (
     OptimConfig,
     UpdateInput,
     copy_tokenizer,
+)
+from .sharded import (
+    RANK_STATE,
+    SHARDED_DIR,
+    load_sharded_checkpoint,
     random_states,
     restore_random_states,
+    sharded_state,
 )
-
-SHARDED_DIR = "sharded"
-RANK_STATE = "rank-{rank}.pt"
 
 
 def split_groups_by_tokens(uid: np.ndarray, row_tokens: np.ndarray, ranks: int) -> list[np.ndarray]:
@@ -216,51 +218,6 @@ class RankLearner(Learner):
         import torch.distributed as dist
 
         dist.barrier()
-
-
-def sharded_state(learner: Learner) -> dict[str, Any]:
-    """The model's and optimiser's (and reference's) state dicts as torch.distributed.checkpoint keeps
-    them: by parameter name, each rank's shards (DTensors) or, in one process, the whole tensors."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    model, optimizer = get_state_dict(learner.model, learner.optimizer)
-    state: dict[str, Any] = {"model": model, "optimizer": optimizer}
-    if learner.reference is not None:
-        state["reference"] = get_model_state_dict(learner.reference)
-    return state
-
-
-def load_sharded_checkpoint(learner: Learner, path: Path, rank: int) -> dict[str, Any]:
-    """A checkpoint of ranks into ``learner``: a rank of any number of ranks (each reads its part of every
-    shard) or the one-process learner (the whole); the step, the random states of ``rank`` (a rank that
-    did not exist then keeps its seed's) and the loop's ``extra``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    state = sharded_state(learner)
-    with warnings.catch_warnings():  # in one process DCP warns that it loads in one process: as meant
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path / SHARDED_DIR), no_dist=not _distributed())
-    set_state_dict(
-        learner.model,
-        learner.optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-    )
-    if learner.reference is not None and "reference" in state:
-        set_model_state_dict(learner.reference, state["reference"])
-    own = path / RANK_STATE.format(rank=rank)
-    saved = torch.load(own if own.exists() else path / RANK_STATE.format(rank=0), weights_only=False)
-    learner.step = int(saved["step"])
-    if own.exists():
-        restore_random_states(saved["rng"])
-    return dict(saved["extra"])
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 @dataclass(frozen=True)

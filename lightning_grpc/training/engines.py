@@ -49,7 +49,7 @@ from lightning_grpc.processes import CLI, Background, log_field, model_child_env
 
 from .experiment import ExperimentConfig
 
-log = logs.get_logger("lightning_grpc.trainer")
+log = logs.get_logger("lightning_grpc.batching")
 
 VLLM_PYTHON_ENV = "LIGHTNING_GRPC_VLLM_PYTHON"
 #: Where ``make vllm-env`` builds vLLM's environment (the repository root's ``.venv-vllm``).

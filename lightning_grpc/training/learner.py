@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import ppo
+from .sharded import SHARDED_DIR, load_sharded_checkpoint, random_states, restore_random_states
 
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "trainer_config.json"
@@ -334,9 +335,7 @@ class Learner:
 
         A checkpoint of a learner with ranks (:mod:`.distributed`) is read whole into this process."""
         path = Path(path)
-        if not (path / STATE_FILE).exists() and (path / "sharded").is_dir():
-            from .distributed import load_sharded_checkpoint
-
+        if not (path / STATE_FILE).exists() and (path / SHARDED_DIR).is_dir():
             learner = cls(model_path=path, **options)
             return learner, load_sharded_checkpoint(learner, path, rank=0)
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
@@ -467,16 +466,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def random_states() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def restore_random_states(states: Mapping[str, Any]) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
 
 
 def copy_tokenizer(source: Path, target: Path) -> None:

@@ -48,7 +48,7 @@ from .services import Services, start_runners, start_services
 if TYPE_CHECKING:
     from lightning_grpc.client.trainer import TrainingBatch
 
-log = logs.get_logger("lightning_grpc.trainer")
+log = logs.get_logger("lightning_grpc.batching")
 
 PRINTED = (
     "reward_mean",
@@ -424,7 +424,7 @@ class TrainingRun:
             return []
         rng = random.Random(f"{self.config.experiment.seed}-{tag}")
         chosen = [tasks[i % len(tasks)] for i in rng.sample(range(max(groups, len(tasks))), groups)]
-        from lightning_grpc.trainer import GroupSample
+        from lightning_grpc.batching import GroupSample
 
         samples = [
             GroupSample(task, f"{self.config.experiment.name}-{tag}-g{i}") for i, task in enumerate(chosen)

@@ -2,7 +2,7 @@
 
 Every function names its counterpart in ``verl.trainer.ppo.core_algos`` (``core_algos``),
 ``verl.utils.torch_functional`` (``verl_F``) or ``verl.workers.utils.losses`` (``losses``) and computes
-the same numbers (``tests/test_verl_parity.py`` checks them against verl itself); verl is never imported
+the same numbers (``tests/training/test_verl_parity.py`` checks them against verl itself); verl is never imported
 here. One addition of ours: the ``"per-rollout-mean"`` loss aggregation, where each rollout gets equal
 total weight however many rows and tokens it has (agent-lightning's ``per_rollout_mean`` loss).
 

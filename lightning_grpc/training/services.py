@@ -15,7 +15,7 @@ from lightning_grpc.processes import CLI, Background, log_field, model_child_env
 from .engines import Engine, VllmEngine, make_engine
 from .experiment import ExperimentConfig
 
-log = logs.get_logger("lightning_grpc.trainer")
+log = logs.get_logger("lightning_grpc.batching")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_grpc.trainer.tensors import INDEX_ARRAYS
+from lightning_grpc.batching.tensors import INDEX_ARRAYS
 
 from .experiment import ConfigError, ExperimentConfig
 

@@ -23,7 +23,7 @@ top of them, and none calls another:
 - ``staging.py``      a batch of spans checked, numbered and put into a commit
 - sections:  ``rollouts.py`` (and the queue), ``attempts.py``, ``spans.py``, ``resources.py``,
   ``workers.py``, ``waiting.py`` (wait and watch, resume tokens), ``watchdog.py`` (the timers),
-  ``housekeeping.py`` (statistics, deletion), ``for_cores.py`` (what the trainer core uses)
+  ``housekeeping.py`` (statistics, deletion), ``inprocess.py`` (what the trainer core uses)
 - ``store.py``        :class:`Store` composed of the sections: start, shutdown, close, and
   :meth:`Store.complete_and_dequeue`, the one operation that takes two sections
 """

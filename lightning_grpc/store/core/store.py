@@ -14,8 +14,8 @@ from lightning_grpc.types import Attempt, Rollout
 from ..state import LoadedState, SpanRecord
 from .attempts import AttemptsSection
 from .base import DequeueRequest
-from .for_cores import ForCoresSection
 from .housekeeping import HousekeepingSection
+from .inprocess import InProcessSection
 from .resources import ResourcesSection
 from .rollouts import RolloutsSection
 from .spans import SpansSection
@@ -34,7 +34,7 @@ class Store(
     ResourcesSection,
     WorkersSection,
     WaitingSection,
-    ForCoresSection,
+    InProcessSection,
     HousekeepingSection,
     WatchdogSection,
 ):
