@@ -6,13 +6,16 @@ DASH := lightning_grpc/dashboard/web
 DASH_BUILT := lightning_grpc/dashboard/static/index.html
 # The TypeScript client (clients/typescript), whose generated contract the dashboard imports too.
 TS := clients/typescript
-TS_STAMP := $(TS)/node_modules/.installed
+# Both are packages of one npm workspace (package.json at the root; the dashboard imports the client as
+# @lightning-grpc/client): one `npm ci` at the root from package-lock.json installs them.
+NPM_STAMP := node_modules/.installed
+TS_STAMP := $(NPM_STAMP)
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto proto-check lint breaking typecheck test pytest demo bench clean ts-setup ts-proto ts-test demo-ts \
-	dashboard dashboard-check browser
+.PHONY: setup proto proto-check lint breaking typecheck test test-fast format pytest demo bench clean ts-setup ts-proto \
+	ts-test demo-ts dashboard dashboard-check browser bare-install
 
 setup: $(STAMP) $(DASH_BUILT)
 
@@ -21,7 +24,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# CPU torch first: an unpinned torch would pull several GB of CUDA packages.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# every extra (what `make test` exercises) and the tools; `pip install lightning-grpc` alone is the bare install
+	$(PY) -m pip install --quiet -e '.[all,dev]'
 	touch $(STAMP)
 
 proto: $(STAMP)
@@ -45,19 +49,34 @@ pytest: $(STAMP) $(DASH_BUILT) browser
 
 test: lint breaking proto-check typecheck dashboard-check pytest ts-test
 
-$(DASH)/node_modules/.installed: $(DASH)/package-lock.json
-	cd $(DASH) && npm ci --no-audit --no-fund --loglevel=error
+# The edit loop: pytest without the tests marked slow or e2e (tests/conftest.py marks them), stopping at the
+# first failure; `make test` runs them all. PYTEST_ARGS adds arguments (a folder, -k, ...).
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -x -m "not slow and not e2e" $(PYTEST_ARGS)
+
+# Rewrite in place what `make lint` checks: ruff's formatting and fixable findings, buf's formatting.
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+	$(BIN)/buf format -w
+
+# `pip install lightning-grpc` (no extras) in a fresh environment: nothing heavy, and the Quickstart runs.
+bare-install:
+	bash scripts/check_bare_install.sh
+
+$(NPM_STAMP): package.json package-lock.json $(TS)/package.json $(DASH)/package.json
+	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-# The frontend imports the TypeScript client's generated contract (clients/typescript/src), type-checked
-# against that package's dependencies: both packages are installed.
-$(DASH_BUILT): $(DASH)/node_modules/.installed $(TS_STAMP) $(DASH)/index.html $(DASH)/vite.config.ts \
+# The frontend imports the TypeScript client's generated contract and its browser-safe modules by the
+# package's name (their TypeScript source: vite.config.ts and tsconfig.json name the exports condition).
+$(DASH_BUILT): $(NPM_STAMP) $(DASH)/index.html $(DASH)/vite.config.ts $(DASH)/tsconfig.json \
 		$(shell find $(DASH)/src $(TS)/src -type f 2>/dev/null)
 	cd $(DASH) && npm run --silent build
 
 dashboard: $(DASH_BUILT)
 
-dashboard-check: $(DASH)/node_modules/.installed $(TS_STAMP)
+dashboard-check: $(NPM_STAMP)
 	cd $(DASH) && npm run --silent typecheck
 
 # The browser of the dashboard's tests: Debian's chromium (installed here when missing and apt can).
@@ -67,14 +86,10 @@ browser:
 	   (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null)); } || \
 	  { echo "the dashboard's tests need Debian's chromium: apt-get install chromium"; exit 1; }
 
-# The TypeScript client (clients/typescript): npm ci from the lockfile, the generated code's freshness,
+# The TypeScript client (clients/typescript): npm ci from the workspace's lockfile, the generated code's freshness,
 # the type-check and build, then node's test runner against real servers (a TypeScript agent trained).
 
 ts-setup: $(TS_STAMP)
-
-$(TS_STAMP): $(TS)/package-lock.json
-	cd $(TS) && npm ci --no-audit --no-fund --loglevel=error
-	touch $(TS_STAMP)
 
 ts-proto: $(STAMP) $(TS_STAMP)
 	bash $(TS)/scripts/generate.sh
@@ -93,7 +108,7 @@ demo: $(STAMP) $(DASH_BUILT)
 	$(BIN)/lightning-grpc train examples/combination_lock/config.toml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache $(TS)/node_modules $(TS)/dist $(DASH)/node_modules \
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache node_modules $(TS)/node_modules $(TS)/dist $(DASH)/node_modules \
 	  lightning_grpc/dashboard/static
 
 # Breaking-change check of the contract against the latest release tag (skipped before the first release).

@@ -217,6 +217,7 @@ CLASS_OF_STATUS: dict[str, type[LightningError]] = {cls.code_name: cls for cls i
 
 #: Status codes a gRPC client may retry on its own (service-config retry policy): only a server
 #: that could not take the call at all. A deadline is the caller's budget, so not retried by gRPC.
+#: They apply only to the rpcs the contract marks NO_SIDE_EFFECTS or IDEMPOTENT (client/config.py).
 TRANSPARENT_RETRY_CODES: tuple[str, ...] = (UnavailableError.code_name,)
 
 

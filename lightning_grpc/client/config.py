@@ -5,44 +5,43 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from google.protobuf import descriptor_pb2
+from google.protobuf.descriptor import FileDescriptor
+
 from lightning_grpc.errors import TRANSPARENT_RETRY_CODES
+from lightning_grpc.v1 import proxy_service_pb2, store_service_pb2, trainer_service_pb2
 
-#: Methods safe to retry on UNAVAILABLE: reads, and writes the client makes idempotent
-#: (generated rollout/resources ids, dequeue request ids, span ids, fenced attempt reports).
-IDEMPOTENT_METHODS = (
-    "StartRollout",
-    "EnqueueRollouts",
-    "DequeueRollouts",
-    "UpdateRollout",
-    "CancelRollout",
-    "GetRollout",
-    "ListRollouts",
-    "GetLatestAttempt",
-    "ListAttempts",
-    "HeartbeatAttempt",
-    "CompleteAttempt",
-    "AddSpans",
-    "ListSpans",
-    "AddResources",
-    "GetResources",
-    "GetLatestResources",
-    "ListResources",
-    "HeartbeatWorker",
-    "GetWorker",
-    "ListWorkers",
-    "WaitForRollouts",
-    "GetStatistics",
+#: The contract files whose services the clients call.
+SERVICE_FILES: tuple[FileDescriptor, ...] = (
+    store_service_pb2.DESCRIPTOR,
+    trainer_service_pb2.DESCRIPTOR,
+    proxy_service_pb2.DESCRIPTOR,
 )
 
-#: TrainerService methods safe to retry: group ids and batch request ids are chosen by the client,
-#: and a step reported again with the same content is answered with the stored event.
-TRAINER_IDEMPOTENT_METHODS = (
-    "SubmitGroups",
-    "GetBatch",
-    "ReportStep",
-    "GetTrainerStatus",
-    "GetTriplets",
+#: The idempotency levels that make a method safe to send again: reads, and writes whose repeat is
+#: harmless (caller-chosen ids, request ids, fenced reports).
+RETRY_SAFE_LEVELS = frozenset(
+    {descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS, descriptor_pb2.MethodOptions.IDEMPOTENT}
 )
+
+
+def retryable_methods(files: tuple[FileDescriptor, ...] = SERVICE_FILES) -> tuple[tuple[str, str], ...]:
+    """(service full name, method name) of every method the contract marks safe to retry.
+
+    Read from the ``idempotency_level`` option of each rpc in proto/lightning/v1, the same marks the
+    TypeScript client's generated retry list comes from; unmarked methods are never retried.
+    """
+    return tuple(
+        (service.full_name, method.name)
+        for file in files
+        for service in file.services_by_name.values()
+        for method in service.methods
+        if method.GetOptions().idempotency_level in RETRY_SAFE_LEVELS
+    )
+
+
+#: Methods retried on UNAVAILABLE by the channel's service config, as the contract marks them.
+RETRYABLE_METHODS: tuple[tuple[str, str], ...] = retryable_methods()
 
 
 @dataclass(frozen=True)
@@ -86,14 +85,7 @@ class ClientConfig:
                 "methodConfig": [
                     {
                         "name": [
-                            *(
-                                {"service": "lightning.v1.StoreService", "method": m}
-                                for m in IDEMPOTENT_METHODS
-                            ),
-                            *(
-                                {"service": "lightning.v1.TrainerService", "method": m}
-                                for m in TRAINER_IDEMPOTENT_METHODS
-                            ),
+                            {"service": service, "method": method} for service, method in RETRYABLE_METHODS
                         ],
                         "retryPolicy": {
                             "maxAttempts": r.max_attempts,

@@ -29,6 +29,7 @@ class ProxyServiceStub:
     """Control of the OpenAI-compatible LLM proxy that records every LLM call of an attempt (with its
     token ids) as a span in the Store. The proxy's HTTP side serves /v1/chat/completions,
     /v1/completions and /v1/models, and per attempt /rollout/{rollout_id}/attempt/{attempt_id}/v1/...
+    Every RPC here sets or reads state, so each is marked safe to resend (see StoreService).
     """
 
     def __init__(self, channel):
@@ -78,6 +79,7 @@ class ProxyServiceServicer:
     """Control of the OpenAI-compatible LLM proxy that records every LLM call of an attempt (with its
     token ids) as a span in the Store. The proxy's HTTP side serves /v1/chat/completions,
     /v1/completions and /v1/models, and per attempt /rollout/{rollout_id}/attempt/{attempt_id}/v1/...
+    Every RPC here sets or reads state, so each is marked safe to resend (see StoreService).
     """
 
     def SetBackends(self, request, context):
@@ -179,6 +181,7 @@ class ProxyService:
     """Control of the OpenAI-compatible LLM proxy that records every LLM call of an attempt (with its
     token ids) as a span in the Store. The proxy's HTTP side serves /v1/chat/completions,
     /v1/completions and /v1/models, and per attempt /rollout/{rollout_id}/attempt/{attempt_id}/v1/...
+    Every RPC here sets or reads state, so each is marked safe to resend (see StoreService).
     """
 
     @staticmethod

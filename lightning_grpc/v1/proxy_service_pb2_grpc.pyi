@@ -30,6 +30,7 @@ class ProxyServiceStub:
     """Control of the OpenAI-compatible LLM proxy that records every LLM call of an attempt (with its
     token ids) as a span in the Store. The proxy's HTTP side serves /v1/chat/completions,
     /v1/completions and /v1/models, and per attempt /rollout/{rollout_id}/attempt/{attempt_id}/v1/...
+    Every RPC here sets or reads state, so each is marked safe to resend (see StoreService).
     """
 
     @_typing.overload
@@ -56,6 +57,7 @@ class ProxyServiceAsyncStub(ProxyServiceStub):
     """Control of the OpenAI-compatible LLM proxy that records every LLM call of an attempt (with its
     token ids) as a span in the Store. The proxy's HTTP side serves /v1/chat/completions,
     /v1/completions and /v1/models, and per attempt /rollout/{rollout_id}/attempt/{attempt_id}/v1/...
+    Every RPC here sets or reads state, so each is marked safe to resend (see StoreService).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -78,6 +80,7 @@ class ProxyServiceServicer(metaclass=_abc_1.ABCMeta):
     """Control of the OpenAI-compatible LLM proxy that records every LLM call of an attempt (with its
     token ids) as a span in the Store. The proxy's HTTP side serves /v1/chat/completions,
     /v1/completions and /v1/models, and per attempt /rollout/{rollout_id}/attempt/{attempt_id}/v1/...
+    Every RPC here sets or reads state, so each is marked safe to resend (see StoreService).
     """
 
     @_abc_1.abstractmethod

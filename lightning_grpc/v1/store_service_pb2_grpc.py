@@ -35,6 +35,12 @@ class StoreServiceStub:
     attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
     table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
     credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
+
+    An RPC marked NO_SIDE_EFFECTS (a read) or IDEMPOTENT (a write whose repeat is harmless: caller-chosen
+    ids, request ids, fenced reports) may be sent again when the server could not take it (UNAVAILABLE);
+    the Python and TypeScript clients derive their retry lists from these marks. The rest are unmarked:
+    a repeat could start a second attempt, bump a version twice, or turn a done deletion into NOT_FOUND.
+    The long-lived streams (TailSpans, WatchRollouts) are unmarked too: their clients resume them.
     """
 
     def __init__(self, channel):
@@ -205,6 +211,12 @@ class StoreServiceServicer:
     attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
     table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
     credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
+
+    An RPC marked NO_SIDE_EFFECTS (a read) or IDEMPOTENT (a write whose repeat is harmless: caller-chosen
+    ids, request ids, fenced reports) may be sent again when the server could not take it (UNAVAILABLE);
+    the Python and TypeScript clients derive their retry lists from these marks. The rest are unmarked:
+    a repeat could start a second attempt, bump a version twice, or turn a done deletion into NOT_FOUND.
+    The long-lived streams (TailSpans, WatchRollouts) are unmarked too: their clients resume them.
     """
 
     def StartRollout(self, request, context):
@@ -604,6 +616,12 @@ class StoreService:
     attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
     table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
     credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
+
+    An RPC marked NO_SIDE_EFFECTS (a read) or IDEMPOTENT (a write whose repeat is harmless: caller-chosen
+    ids, request ids, fenced reports) may be sent again when the server could not take it (UNAVAILABLE);
+    the Python and TypeScript clients derive their retry lists from these marks. The rest are unmarked:
+    a repeat could start a second attempt, bump a version twice, or turn a done deletion into NOT_FOUND.
+    The long-lived streams (TailSpans, WatchRollouts) are unmarked too: their clients resume them.
     """
 
     @staticmethod

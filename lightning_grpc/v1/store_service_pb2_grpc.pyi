@@ -36,6 +36,12 @@ class StoreServiceStub:
     attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
     table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
     credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
+
+    An RPC marked NO_SIDE_EFFECTS (a read) or IDEMPOTENT (a write whose repeat is harmless: caller-chosen
+    ids, request ids, fenced reports) may be sent again when the server could not take it (UNAVAILABLE);
+    the Python and TypeScript clients derive their retry lists from these marks. The rest are unmarked:
+    a repeat could start a second attempt, bump a version twice, or turn a done deletion into NOT_FOUND.
+    The long-lived streams (TailSpans, WatchRollouts) are unmarked too: their clients resume them.
     """
 
     @_typing.overload
@@ -139,6 +145,12 @@ class StoreServiceAsyncStub(StoreServiceStub):
     attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
     table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
     credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
+
+    An RPC marked NO_SIDE_EFFECTS (a read) or IDEMPOTENT (a write whose repeat is harmless: caller-chosen
+    ids, request ids, fenced reports) may be sent again when the server could not take it (UNAVAILABLE);
+    the Python and TypeScript clients derive their retry lists from these marks. The rest are unmarked:
+    a repeat could start a second attempt, bump a version twice, or turn a done deletion into NOT_FOUND.
+    The long-lived streams (TailSpans, WatchRollouts) are unmarked too: their clients resume them.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -238,6 +250,12 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
     attempt (Attempt.credential). Which role may call which RPC, and what a call is scoped by, is one
     table: lightning_grpc/access.py. Refusals are UNAUTHENTICATED (missing, wrong or expired
     credential) or PERMISSION_DENIED (another role's RPC, another worker's or attempt's work).
+
+    An RPC marked NO_SIDE_EFFECTS (a read) or IDEMPOTENT (a write whose repeat is harmless: caller-chosen
+    ids, request ids, fenced reports) may be sent again when the server could not take it (UNAVAILABLE);
+    the Python and TypeScript clients derive their retry lists from these marks. The rest are unmarked:
+    a repeat could start a second attempt, bump a version twice, or turn a done deletion into NOT_FOUND.
+    The long-lived streams (TailSpans, WatchRollouts) are unmarked too: their clients resume them.
     """
 
     @_abc_1.abstractmethod

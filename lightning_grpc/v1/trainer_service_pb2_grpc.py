@@ -31,6 +31,7 @@ class TrainerServiceStub:
     as triplets aggregated into rows and packed into numeric tensors. The spans of a rollout's latest
     attempt are the source: the proxy's LLM-call spans give the exact token ids, reward spans the
     rewards. Served on the Store's port; it reads the Store directly.
+    Idempotency marks drive client retries as on StoreService; WatchTraining resumes by sequence number.
     """
 
     def __init__(self, channel):
@@ -77,6 +78,7 @@ class TrainerServiceServicer:
     as triplets aggregated into rows and packed into numeric tensors. The spans of a rollout's latest
     attempt are the source: the proxy's LLM-call spans give the exact token ids, reward spans the
     rewards. Served on the Store's port; it reads the Store directly.
+    Idempotency marks drive client retries as on StoreService; WatchTraining resumes by sequence number.
     """
 
     def SubmitGroups(self, request, context):
@@ -173,6 +175,7 @@ class TrainerService:
     as triplets aggregated into rows and packed into numeric tensors. The spans of a rollout's latest
     attempt are the source: the proxy's LLM-call spans give the exact token ids, reward spans the
     rewards. Served on the Store's port; it reads the Store directly.
+    Idempotency marks drive client retries as on StoreService; WatchTraining resumes by sequence number.
     """
 
     @staticmethod

@@ -32,6 +32,7 @@ class TrainerServiceStub:
     as triplets aggregated into rows and packed into numeric tensors. The spans of a rollout's latest
     attempt are the source: the proxy's LLM-call spans give the exact token ids, reward spans the
     rewards. Served on the Store's port; it reads the Store directly.
+    Idempotency marks drive client retries as on StoreService; WatchTraining resumes by sequence number.
     """
 
     @_typing.overload
@@ -65,6 +66,7 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     as triplets aggregated into rows and packed into numeric tensors. The spans of a rollout's latest
     attempt are the source: the proxy's LLM-call spans give the exact token ids, reward spans the
     rewards. Served on the Store's port; it reads the Store directly.
+    Idempotency marks drive client retries as on StoreService; WatchTraining resumes by sequence number.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -94,6 +96,7 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
     as triplets aggregated into rows and packed into numeric tensors. The spans of a rollout's latest
     attempt are the source: the proxy's LLM-call spans give the exact token ids, reward spans the
     rewards. Served on the Store's port; it reads the Store directly.
+    Idempotency marks drive client retries as on StoreService; WatchTraining resumes by sequence number.
     """
 
     @_abc_1.abstractmethod

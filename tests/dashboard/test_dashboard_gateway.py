@@ -263,12 +263,19 @@ async def test_connect_timeout_ms_is_the_calls_deadline(open_server: Served) -> 
 async def test_get_is_for_procedures_free_of_side_effects(
     open_server: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # StartAttempt is not marked NO_SIDE_EFFECTS in the contract: POST only
     async with open_server.http.get(
-        f"{open_server.url}{STORE}/GetStatistics", params={"encoding": "json", "message": "{}"}
+        f"{open_server.url}{STORE}/StartAttempt", params={"encoding": "json", "message": "{}"}
     ) as resp:
         assert resp.status == 405 and resp.headers["Allow"] == "POST"
-    # none of the contract's RPCs is marked NO_SIDE_EFFECTS yet; one that is can be called with GET
-    monkeypatch.setattr(Procedure, "side_effect_free", property(lambda self: True))
+    # a read the contract did not mark would be POST only too
+    with monkeypatch.context() as patched:
+        patched.setattr(Procedure, "side_effect_free", property(lambda self: False))
+        async with open_server.http.get(
+            f"{open_server.url}{STORE}/GetStatistics", params={"encoding": "json", "message": "{}"}
+        ) as resp:
+            assert resp.status == 405 and resp.headers["Allow"] == "POST"
+    # GetStatistics is marked NO_SIDE_EFFECTS (option idempotency_level): it can be called with GET
     message = base64.urlsafe_b64encode(b"{}").decode().rstrip("=")
     async with open_server.http.get(
         f"{open_server.url}{STORE}/GetStatistics",

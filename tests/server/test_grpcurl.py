@@ -183,7 +183,11 @@ def test_describe_a_service_and_a_message(either: ServerProcess) -> None:
     service = succeeded(run(DESCRIBE_STORE, either))
     assert service.startswith("lightning.v1.StoreService is a service:\nservice StoreService {\n")
     assert (
-        "  rpc GetRollout ( .lightning.v1.GetRolloutRequest ) returns ( .lightning.v1.GetRolloutResponse );\n"
+        "  rpc GetRollout ( .lightning.v1.GetRolloutRequest ) returns ( .lightning.v1.GetRolloutResponse ) {\n"
+        "    option idempotency_level = NO_SIDE_EFFECTS;\n  }\n" in service  # a read: safe to retry
+    )
+    assert (  # a write that is not safe to repeat carries no mark
+        "  rpc StartAttempt ( .lightning.v1.StartAttemptRequest ) returns ( .lightning.v1.StartAttemptResponse );\n"
         in service
     )
     message = succeeded(run(DESCRIBE_ROLLOUT, either))
@@ -196,7 +200,8 @@ def test_describe_a_service_and_a_message(either: ServerProcess) -> None:
 def test_describe_a_method_of_ours_and_of_health(either: ServerProcess) -> None:
     assert succeeded(run(DESCRIBE_METHOD, either)) == (
         "lightning.v1.StoreService.GetRollout is a method:\n"
-        "rpc GetRollout ( .lightning.v1.GetRolloutRequest ) returns ( .lightning.v1.GetRolloutResponse );\n"
+        "rpc GetRollout ( .lightning.v1.GetRolloutRequest ) returns ( .lightning.v1.GetRolloutResponse ) {\n"
+        "  option idempotency_level = NO_SIDE_EFFECTS;\n}\n"
     )
     assert succeeded(run(DESCRIBE_CHECK, either)) == (
         "grpc.health.v1.Health.Check is a method:\n"

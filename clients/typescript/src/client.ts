@@ -11,8 +11,9 @@ import { durationFromMs, ValueSchema } from "@bufbuild/protobuf/wkt";
 import { createClient, type Client, type Interceptor, type Transport } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { randomUUID } from "node:crypto";
-import { DeadlineExceededError, fromConnectError, typed, UnavailableError } from "./errors.js";
-import type { Resource } from "./gen/lightning/v1/resource_pb.js";
+import { DeadlineExceededError, fromConnectError, NotFoundError, typed, UnavailableError } from "./errors.js";
+import { RETRYABLE_METHODS } from "./gen/lightning/v1/retryable_methods.js";
+import type { Resource, ResourcesUpdate } from "./gen/lightning/v1/resource_pb.js";
 import {
   AttemptStatus,
   RolloutMode,
@@ -27,7 +28,7 @@ import {
   FilterMatch,
   StoreService,
   type GetStatisticsResponse,
-  type ListRolloutsRequest,
+  ListRolloutsRequestSchema,
   RolloutSpecSchema,
 } from "./gen/lightning/v1/store_service_pb.js";
 import { SortOrder } from "./gen/lightning/v1/common_pb.js";
@@ -35,7 +36,7 @@ import type { Worker } from "./gen/lightning/v1/worker_pb.js";
 import type { DescService, MessageInitShape } from "@bufbuild/protobuf";
 
 export { AttemptStatus, RolloutMode, RolloutStatus, SortOrder, FilterMatch };
-export type { Attempt, Rollout, Span, Resource, Worker };
+export type { Attempt, Rollout, Span, Resource, ResourcesUpdate, Worker };
 
 /** TLS for the channel: PEM-encoded roots, and a client certificate for mutual TLS. */
 export interface TlsConfig {
@@ -44,7 +45,12 @@ export interface TlsConfig {
   readonly certificateChain?: string | Buffer;
 }
 
-/** How calls that found no server are retried (UNAVAILABLE only, as the Python client's service config). */
+/**
+ * How calls that found no server are retried: UNAVAILABLE only, and only the unary methods the contract
+ * marks NO_SIDE_EFFECTS or IDEMPOTENT (RETRYABLE_METHODS, generated from proto/lightning/v1). The Python
+ * client's service config retries the same methods from the same marks, with the same back-off; it
+ * also retries a marked server stream (GetBatch) until its first message, which this client does not.
+ */
 export interface RetryConfig {
   readonly maxAttempts: number;
   readonly initialBackoffMs: number;
@@ -59,26 +65,36 @@ export const DEFAULT_RETRY: RetryConfig = Object.freeze({
   backoffMultiplier: 2,
 });
 
-/** Where the server is and how to reach it. */
+/**
+ * Where the server is and how to reach it (lightning_grpc.client.ClientConfig). Durations are in seconds,
+ * as in the Python client, everywhere in this package; a name ending in `Ms` is in milliseconds.
+ */
 export interface ClientConfig {
-  /** host:port of the server (or an http:// / https:// URL). */
-  readonly target: string;
+  /** host:port of the server (or an http:// / https:// URL); 127.0.0.1:4747 when left out. */
+  readonly target?: string;
   /** The admin token, or a runner or attempt credential; sent as `authorization: Bearer ...`. */
   readonly token?: string;
   readonly tls?: TlsConfig;
   readonly retry?: RetryConfig | null;
-  /** Deadline of each unary call, in milliseconds (a long-poll adds its wait). */
-  readonly timeoutMs?: number;
+  /** Default deadline of a call, in seconds (long-polls add their wait on top), as the Python client's. */
+  readonly timeout?: number;
 }
+
+export const DEFAULT_TARGET = "127.0.0.1:4747";
 
 /** A client config from a target string or a partial config, with defaults filled in. */
-export function clientConfig(config: string | ClientConfig): Required<Omit<ClientConfig, "tls" | "token">> &
+export function clientConfig(config: string | ClientConfig = DEFAULT_TARGET): Required<Omit<ClientConfig, "tls" | "token">> &
   ClientConfig {
   const given: ClientConfig = typeof config === "string" ? { target: config } : config;
-  return Object.freeze({ retry: DEFAULT_RETRY, timeoutMs: 30_000, ...given });
+  return Object.freeze({ target: DEFAULT_TARGET, retry: DEFAULT_RETRY, timeout: 30, ...given });
 }
 
-function baseUrl(config: ClientConfig): string {
+/** Seconds as the milliseconds Connect's call options take. */
+export function ms(seconds: number): number {
+  return Math.round(seconds * 1000);
+}
+
+function baseUrl(config: ClientConfig & { target: string }): string {
   if (/^https?:\/\//.test(config.target)) return config.target;
   return `${config.tls ? "https" : "http"}://${config.target}`;
 }
@@ -91,10 +107,20 @@ function bearer(token: string): Interceptor {
   };
 }
 
-/** Retries a unary call the server could not take at all (UNAVAILABLE), with exponential back-off. */
-function retrying(retry: RetryConfig): Interceptor {
+export { RETRYABLE_METHODS };
+
+/** Whether the contract marks a method safe to send again (NO_SIDE_EFFECTS or IDEMPOTENT). */
+export function isRetryable(method: { readonly parent: { readonly typeName: string }; readonly name: string }): boolean {
+  return RETRYABLE_METHODS.has(`${method.parent.typeName}/${method.name}`);
+}
+
+/**
+ * Retries a unary call of a retryable method (isRetryable) that the server could not take at all
+ * (UNAVAILABLE), with exponential back-off; every other call goes through once.
+ */
+export function retrying(retry: RetryConfig): Interceptor {
   return (next) => async (req) => {
-    if (req.stream) return next(req);
+    if (req.stream || !isRetryable(req.method)) return next(req);
     let backoff = retry.initialBackoffMs;
     for (let attempt = 1; ; attempt++) {
       try {
@@ -137,7 +163,7 @@ async function* typedStream<M>(stream: AsyncIterable<M>): AsyncIterable<M> {
 }
 
 /** The one place a transport is made: TLS, credential, retries and typed errors. */
-export function createTransport(config: string | ClientConfig): Transport {
+export function createTransport(config: string | ClientConfig = DEFAULT_TARGET): Transport {
   const c = clientConfig(config);
   const interceptors: Interceptor[] = [];
   if (c.retry) interceptors.push(retrying(c.retry));
@@ -145,7 +171,7 @@ export function createTransport(config: string | ClientConfig): Transport {
   return createGrpcTransport({
     baseUrl: baseUrl(c),
     interceptors,
-    defaultTimeoutMs: c.timeoutMs,
+    defaultTimeoutMs: ms(c.timeout),
     nodeOptions: c.tls
       ? { ca: c.tls.rootCertificates, key: c.tls.privateKey, cert: c.tls.certificateChain }
       : undefined,
@@ -161,6 +187,7 @@ export interface AttemptHeartbeat {
 }
 
 export interface WatchEvent {
+  /** The rollout after the change; undefined in a progress message (only with `includeProgress`). */
   readonly rollout: Rollout | undefined;
   readonly resumeToken: string;
   readonly revision: bigint;
@@ -177,8 +204,54 @@ export interface RolloutSpecInit {
   metadata?: JsonObject;
 }
 
-/** Filters of ListRollouts (every page is fetched). */
-export type RolloutFilters = Partial<Omit<ListRolloutsRequest, "$typeName" | "$unknown" | "pageToken">>;
+/** The filters of listRollouts and queryRollouts, named as the Python client's keyword arguments. */
+export interface RolloutFilters {
+  statusIn?: readonly RolloutStatus[];
+  rolloutIds?: readonly string[];
+  rolloutIdContains?: string;
+  mode?: RolloutMode;
+  groupId?: string;
+  orderBy?: string;
+  descending?: boolean;
+  /** Any one filter given must hold instead of all of them. */
+  matchAny?: boolean;
+}
+
+/** One page of a List call: its items, the token of the next page ("" on the last), the matches in all pages. */
+export interface Page<T> {
+  readonly items: T[];
+  readonly nextPageToken: string;
+  readonly totalSize: bigint;
+}
+
+/** What AddSpans stored: each span's sequence id, and how many were new or already there. */
+export interface AddSpansResult {
+  readonly sequenceIds: bigint[];
+  readonly storedCount: number;
+  readonly duplicateCount: number;
+}
+
+function listRolloutsRequest(filters: RolloutFilters): MessageInitShape<typeof ListRolloutsRequestSchema> {
+  return {
+    statuses: [...(filters.statusIn ?? [])],
+    rolloutIds: [...(filters.rolloutIds ?? [])],
+    rolloutIdContains: filters.rolloutIdContains ?? "",
+    mode: filters.mode ?? RolloutMode.UNSPECIFIED,
+    groupId: filters.groupId ?? "",
+    orderBy: filters.orderBy ?? "",
+    order: filters.descending ? SortOrder.DESCENDING : SortOrder.ASCENDING,
+    match: filters.matchAny ? FilterMatch.ANY : FilterMatch.ALL,
+  };
+}
+
+/** The filters of querySpans, beside the rollout and attempt. */
+export interface SpanFilters {
+  traceId?: string;
+  spanId?: string;
+  parentSpanId?: string;
+  name?: string;
+  nameContains?: string;
+}
 
 /** The Store's client (connect-node keeps one HTTP/2 session per transport and closes it when idle). */
 export class StoreClient {
@@ -187,15 +260,15 @@ export class StoreClient {
   /** The generated client: every StoreService RPC with its generated types, typed errors included. */
   readonly raw: Client<typeof StoreService>;
 
-  constructor(config: string | ClientConfig) {
+  constructor(config: string | ClientConfig = DEFAULT_TARGET) {
     this.config = clientConfig(config);
     this.transport = createTransport(this.config);
     this.raw = typedClient(StoreService, this.transport);
   }
 
-  /** Wait until the server answers, up to `timeoutMs` (any answer counts, a refusal of the credential too). */
-  async waitUntilReachable(timeoutMs: number): Promise<void> {
-    const deadline = Date.now() + timeoutMs;
+  /** Wait until the server answers, up to `timeout` seconds (any answer counts, a refusal of the credential too). */
+  async waitUntilReachable(timeout: number): Promise<void> {
+    const deadline = Date.now() + ms(timeout);
     for (;;) {
       try {
         await this.raw.getStatistics({}, { timeoutMs: Math.max(500, Math.min(5000, deadline - Date.now())) });
@@ -227,12 +300,12 @@ export class StoreClient {
   }
 
   /**
-   * Claim up to `limit` queued rollouts for `workerId`. With `waitSeconds`, the call waits (long poll)
+   * Claim up to `limit` queued rollouts for `workerId`. With `wait` (seconds), the call waits (long poll)
    * until one is queued or the wait ends, and answers at once when one is. Each rollout comes with its
    * new attempt, whose `credential` (with auth on) is the key of that attempt's writes and LLM calls.
    */
-  async dequeueRollouts(limit = 1, options: { workerId?: string; waitSeconds?: number; signal?: AbortSignal } = {}): Promise<Rollout[]> {
-    const wait = options.waitSeconds ?? 0;
+  async dequeueRollouts(limit = 1, options: { workerId?: string; wait?: number; signal?: AbortSignal } = {}): Promise<Rollout[]> {
+    const wait = options.wait ?? 0;
     const res = await this.raw.dequeueRollouts(
       {
         workerId: options.workerId ?? "",
@@ -240,12 +313,12 @@ export class StoreClient {
         requestId: `dq-${randomUUID()}`,
         waitTimeout: wait > 0 ? durationFromMs(wait * 1000) : undefined,
       },
-      { timeoutMs: this.config.timeoutMs + wait * 1000, signal: options.signal },
+      { timeoutMs: ms(this.config.timeout + wait), signal: options.signal },
     );
     return res.rollouts;
   }
 
-  async dequeueRollout(options: { workerId?: string; waitSeconds?: number } = {}): Promise<Rollout | undefined> {
+  async dequeueRollout(options: { workerId?: string; wait?: number; signal?: AbortSignal } = {}): Promise<Rollout | undefined> {
     return (await this.dequeueRollouts(1, options))[0];
   }
 
@@ -257,23 +330,52 @@ export class StoreClient {
     return (await this.raw.getRollout({ rolloutId })).rollout as Rollout;
   }
 
+  /** The rollout, or undefined when there is none with this id. */
+  async getRolloutById(rolloutId: string): Promise<Rollout | undefined> {
+    try {
+      return await this.getRollout(rolloutId);
+    } catch (error) {
+      if (error instanceof NotFoundError) return undefined;
+      throw error;
+    }
+  }
+
+  /** End the rollout's stuck attempt (FAILED, with `reason`) and queue it for a new one. */
+  async retryRollout(rolloutId: string, reason = ""): Promise<Rollout> {
+    return (await this.raw.retryRollout({ rolloutId, reason })).rollout as Rollout;
+  }
+
   async cancelRollout(rolloutId: string, reason = ""): Promise<Rollout> {
     return (await this.raw.cancelRollout({ rolloutId, reason })).rollout as Rollout;
   }
 
-  /** Every rollout matching the filters, all pages. */
+  /** One page of rollouts; the filters given must all hold, or with `matchAny` one of them. */
+  async listRollouts(filters: RolloutFilters & { pageSize?: number; pageToken?: string } = {}): Promise<Page<Rollout>> {
+    const res = await this.raw.listRollouts({
+      ...listRolloutsRequest(filters),
+      pageSize: filters.pageSize ?? 0,
+      pageToken: filters.pageToken ?? "",
+    });
+    return { items: res.rollouts, nextPageToken: res.nextPageToken, totalSize: res.totalSize };
+  }
+
+  /** Every rollout matching the filters of listRollouts, across all pages. */
   async queryRollouts(filters: RolloutFilters = {}): Promise<Rollout[]> {
     const out: Rollout[] = [];
     let pageToken = "";
     do {
-      const res = await this.raw.listRollouts({ ...filters, pageToken });
-      out.push(...res.rollouts);
-      pageToken = res.nextPageToken;
+      const page = await this.listRollouts({ ...filters, pageSize: 1000, pageToken });
+      out.push(...page.items);
+      pageToken = page.nextPageToken;
     } while (pageToken);
     return out;
   }
 
   // ---------------------------------------------------------------- attempts
+  async getLatestAttempt(rolloutId: string): Promise<Attempt | undefined> {
+    return (await this.raw.getLatestAttempt({ rolloutId })).attempt;
+  }
+
   async heartbeatAttempt(rolloutId: string, attemptId: string): Promise<AttemptHeartbeat> {
     const res = await this.raw.heartbeatAttempt({ rolloutId, attemptId });
     return {
@@ -284,59 +386,85 @@ export class StoreClient {
     };
   }
 
-  /** Report an attempt's outcome; `spans` are stored in the same commit. */
+  /** Report an attempt's outcome; `spans` are stored in the same commit. Returns [attempt, rollout]. */
   async completeAttempt(
     rolloutId: string,
     attemptId: string,
     status: AttemptStatus,
-    options: { message?: string; metadata?: JsonObject; spans?: Span[] } = {},
-  ): Promise<{ attempt: Attempt; rollout: Rollout }> {
-    const res = await this.raw.completeAttempt({
-      rolloutId,
-      attemptId,
-      status,
-      message: options.message ?? "",
-      metadata: options.metadata,
-      spans: options.spans ?? [],
-    });
-    return { attempt: res.attempt as Attempt, rollout: res.rollout as Rollout };
+    message = "",
+    metadata?: JsonObject,
+    options: { spans?: Span[] } = {},
+  ): Promise<[Attempt, Rollout]> {
+    const res = await this.raw.completeAttempt({ rolloutId, attemptId, status, message, metadata, spans: options.spans ?? [] });
+    return [res.attempt as Attempt, res.rollout as Rollout];
+  }
+
+  /** Report an attempt's outcome (SUCCEEDED, or FAILED with a message); returns the attempt. */
+  async updateAttempt(rolloutId: string, attemptId: string, status: AttemptStatus, message = "", metadata?: JsonObject): Promise<Attempt> {
+    const [attempt] = await this.completeAttempt(rolloutId, attemptId, status, message, metadata);
+    return attempt;
   }
 
   // ---------------------------------------------------------------- spans
-  /** Store spans of one attempt in one call; returns their sequence ids. */
-  async addSpans(rolloutId: string, attemptId: string, spans: Span[]): Promise<bigint[]> {
-    return (await this.raw.addSpans({ rolloutId, attemptId, spans })).sequenceIds;
+  /** Store spans in one call (each names its rollout and attempt, or give them here). */
+  async addSpans(spans: Span[], options: { rolloutId?: string; attemptId?: string } = {}): Promise<AddSpansResult> {
+    const res = await this.raw.addSpans({ rolloutId: options.rolloutId ?? "", attemptId: options.attemptId ?? "", spans });
+    return { sequenceIds: res.sequenceIds, storedCount: res.storedCount, duplicateCount: res.duplicateCount };
   }
 
-  /** Spans of a rollout (or one attempt of it), all pages, in sequence order. */
-  async querySpans(rolloutId: string, attemptId = ""): Promise<Span[]> {
+  /** Store one span; returns its sequence id. */
+  async addSpan(span: Span): Promise<bigint> {
+    return (await this.addSpans([span])).sequenceIds[0] as bigint;
+  }
+
+  /**
+   * The spans of a rollout in sequence order, at most `limit` (`attemptId`: undefined for all attempts,
+   * "latest", or an id), across all pages.
+   */
+  async querySpans(rolloutId: string, attemptId?: string, options: SpanFilters & { limit?: number } = {}): Promise<Span[]> {
+    const { limit, ...filters } = options;
     const out: Span[] = [];
     let pageToken = "";
     do {
-      const res = await this.raw.listSpans({ selector: { rolloutId, attemptId }, pageToken });
+      const res = await this.raw.listSpans({
+        selector: { rolloutId, attemptId: attemptId ?? "", ...filters },
+        pageSize: limit === undefined ? 10_000 : Math.min(10_000, Math.max(limit, 1)),
+        pageToken,
+      });
       out.push(...res.spans);
       pageToken = res.nextPageToken;
-    } while (pageToken);
-    return out;
+    } while (pageToken && (limit === undefined || out.length < limit));
+    return limit === undefined ? out : out.slice(0, limit);
   }
 
-  /** Spans as they are stored: those already there, then (with `follow`) new ones until aborted. */
-  async *tailSpans(rolloutId: string, options: { attemptId?: string; follow?: boolean; signal?: AbortSignal } = {}): AsyncIterable<Span> {
+  /** Batches of a rollout's spans in order; with `follow`, new ones as they are stored, until aborted. */
+  async *tailSpans(rolloutId: string, attemptId?: string, options: { follow?: boolean; signal?: AbortSignal } = {}): AsyncIterable<Span[]> {
+    const follow = options.follow ?? false;
     const stream = this.raw.tailSpans(
-      { selector: { rolloutId, attemptId: options.attemptId ?? "" }, follow: options.follow ?? false },
-      { signal: options.signal, timeoutMs: 0 },
+      { selector: { rolloutId, attemptId: attemptId ?? "" }, follow },
+      { signal: options.signal, timeoutMs: follow ? 0 : ms(this.config.timeout) },
     );
-    for await (const res of stream) yield* res.spans;
+    for await (const res of stream) yield res.spans;
   }
 
   // ---------------------------------------------------------------- resources and workers
-  async getResources(resourcesId: string): Promise<Record<string, Resource>> {
-    return (await this.raw.getResources({ resourcesId })).resources?.resources ?? {};
+  /** A resources set: its id, version and named resources. */
+  async getResources(resourcesId: string): Promise<ResourcesUpdate> {
+    return (await this.raw.getResources({ resourcesId })).resources as ResourcesUpdate;
   }
 
-  /** The worker's heartbeat, with its stats (JSON). */
-  async updateWorker(workerId: string, stats: JsonObject = {}): Promise<Worker> {
-    return (await this.raw.heartbeatWorker({ workerId, heartbeatStats: stats })).worker as Worker;
+  async getLatestResources(): Promise<ResourcesUpdate | undefined> {
+    return (await this.raw.getLatestResources({})).resources;
+  }
+
+  /** Worker heartbeat (creates the worker on its first call); replaces its stats (JSON) when given. */
+  async updateWorker(workerId: string, heartbeatStats?: JsonObject): Promise<Worker> {
+    return (await this.raw.heartbeatWorker({ workerId, heartbeatStats })).worker as Worker;
+  }
+
+  /** The same call as updateWorker, under the RPC's name. */
+  async heartbeatWorker(workerId: string, heartbeatStats?: JsonObject): Promise<Worker> {
+    return this.updateWorker(workerId, heartbeatStats);
   }
 
   async statistics(): Promise<GetStatisticsResponse> {
@@ -347,17 +475,29 @@ export class StoreClient {
    * Rollout changes as they are committed. When the server goes away the watch reconnects from the last
    * resume token, so no change is missed; it ends when `signal` aborts.
    */
-  async *watchRollouts(options: { resumeToken?: string; rolloutIds?: string[]; statuses?: RolloutStatus[]; signal?: AbortSignal } = {}): AsyncIterable<WatchEvent> {
-    let token = options.resumeToken ?? "";
+  async *watchRollouts(
+    resumeToken = "",
+    options: {
+      rolloutIds?: readonly string[];
+      statusIn?: readonly RolloutStatus[];
+      /** Seconds between progress messages while nothing changes (the server's default when left out). */
+      progressInterval?: number;
+      /** Yield progress messages too (events without a rollout). */
+      includeProgress?: boolean;
+      signal?: AbortSignal;
+    } = {},
+  ): AsyncIterable<WatchEvent> {
+    let token = resumeToken;
+    const interval = options.progressInterval ? durationFromMs(ms(options.progressInterval)) : undefined;
     for (;;) {
       try {
         const stream = this.raw.watchRollouts(
-          { resumeToken: token, rolloutIds: options.rolloutIds ?? [], statuses: options.statuses ?? [] },
+          { resumeToken: token, rolloutIds: [...(options.rolloutIds ?? [])], statuses: [...(options.statusIn ?? [])], progressInterval: interval },
           { signal: options.signal, timeoutMs: 0 },
         );
         for await (const res of stream) {
           token = res.resumeToken;
-          if (res.rollout) yield { rollout: res.rollout, resumeToken: res.resumeToken, revision: res.revision };
+          if (res.rollout || options.includeProgress) yield { rollout: res.rollout, resumeToken: res.resumeToken, revision: res.revision };
         }
         return;
       } catch (error) {
@@ -377,9 +517,15 @@ export function inputOf(rollout: Rollout): JsonValue {
   return rollout.input ? toJson(ValueSchema, rollout.input) : null;
 }
 
+/** The spec as sent: a rollout id chosen here when none is given (as the Python client does), so a retried
+ * call returns the same rollout instead of creating a second one. */
 function specInit(spec: RolloutSpecInit): MessageInitShape<typeof RolloutSpecSchema> {
   const { input, ...rest } = spec;
-  return { ...rest, input: input === undefined ? undefined : fromJson(ValueSchema, input) };
+  return {
+    ...rest,
+    rolloutId: rest.rolloutId || `ro-${randomUUID().replaceAll("-", "").slice(0, 16)}`,
+    input: input === undefined ? undefined : fromJson(ValueSchema, input),
+  };
 }
 
 export type { RolloutConfig };

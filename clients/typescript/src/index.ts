@@ -1,5 +1,7 @@
-/** lightning-grpc's TypeScript client: the generated contract, the Store client, spans and a runner. */
+/** lightning-grpc's TypeScript client: the generated contract, the Store, Trainer and Proxy clients, spans and a runner. */
 export * from "./client.js";
+export * from "./trainer.js";
+export * from "./proxy.js";
 export * from "./errors.js";
 export * from "./spans.js";
 export * from "./semconv.js";

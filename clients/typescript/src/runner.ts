@@ -13,7 +13,7 @@ import { toJson } from "@bufbuild/protobuf";
 import { ValueSchema } from "@bufbuild/protobuf/wkt";
 import { hostname } from "node:os";
 import { randomUUID } from "node:crypto";
-import { AttemptStatus, RolloutMode, StoreClient, inputOf, sleep, type ClientConfig, type Rollout } from "./client.js";
+import { AttemptStatus, DEFAULT_TARGET, RolloutMode, StoreClient, inputOf, ms, sleep, type ClientConfig, type Rollout } from "./client.js";
 import { FailedPreconditionError, LightningError, NotFoundError } from "./errors.js";
 import type { Resource } from "./gen/lightning/v1/resource_pb.js";
 import { log } from "./log.js";
@@ -101,16 +101,23 @@ export interface AgentResources {
   readonly all: Readonly<Record<string, RoutedResource>>;
 }
 
+/** The Python runner's keyword arguments, in camelCase; every duration in seconds. */
 export interface RunnerOptions {
-  store: string | ClientConfig;
   concurrency?: number;
   workerId?: string;
-  heartbeatIntervalMs?: number;
-  workerHeartbeatIntervalMs?: number;
-  pollWaitSeconds?: number;
+  /** Seconds between an attempt's heartbeats (default 5). */
+  heartbeatInterval?: number;
+  /** Seconds between the worker's heartbeats (default 10). */
+  workerHeartbeatInterval?: number;
+  /** Seconds a dequeue waits for work (default 2). */
+  pollWait?: number;
   maxRollouts?: number;
-  drainTimeoutMs?: number;
-  connectTimeoutMs?: number;
+  /** Seconds running rollouts get to finish once stopped (default 30). */
+  drainTimeout?: number;
+  /** The Store's credential, when `store` is a target string. */
+  token?: string;
+  /** Seconds to wait for the Store at start (default 30). */
+  connectTimeout?: number;
 }
 
 /** The per-attempt URL of a proxy endpoint: `{endpoint}/rollout/{r}/attempt/{a}`, keeping a trailing `/v1` last. */
@@ -168,22 +175,23 @@ export class Runner {
   private readonly active = new Map<string, Promise<void>>();
   private readonly resources = new Map<string, Promise<Record<string, Resource>>>();
   private readonly stopping = new AbortController();
-  private readonly o: Required<Omit<RunnerOptions, "store" | "workerId" | "maxRollouts">> & Pick<RunnerOptions, "maxRollouts">;
+  private readonly o: Required<Omit<RunnerOptions, "workerId" | "maxRollouts" | "token">> & Pick<RunnerOptions, "maxRollouts">;
 
-  constructor(readonly agent: Agent, options: RunnerOptions) {
-    this.client = new StoreClient(options.store);
+  /** As the Python runner: `Runner(agent, store, {concurrency, workerId, ...})`. */
+  constructor(readonly agent: Agent, store: string | ClientConfig = DEFAULT_TARGET, options: RunnerOptions = {}) {
+    this.client = new StoreClient(typeof store === "string" ? { target: store, token: options.token } : store);
     this.spans = new SpanStream(this.client, {
       onGivenUp: (spans, error) => log.warning("spans_given_up", { count: spans.length, reason: error.reason, error: error.message }),
     });
     this.workerId = options.workerId || defaultWorkerId();
     this.o = {
       concurrency: options.concurrency ?? 1,
-      heartbeatIntervalMs: options.heartbeatIntervalMs ?? 5000,
-      workerHeartbeatIntervalMs: options.workerHeartbeatIntervalMs ?? 10_000,
-      pollWaitSeconds: options.pollWaitSeconds ?? 2,
+      heartbeatInterval: options.heartbeatInterval ?? 5,
+      workerHeartbeatInterval: options.workerHeartbeatInterval ?? 10,
+      pollWait: options.pollWait ?? 2,
       maxRollouts: options.maxRollouts,
-      drainTimeoutMs: options.drainTimeoutMs ?? 30_000,
-      connectTimeoutMs: options.connectTimeoutMs ?? 30_000,
+      drainTimeout: options.drainTimeout ?? 30,
+      connectTimeout: options.connectTimeout ?? 30,
     };
     if (this.o.concurrency < 1) throw new RangeError("concurrency must be at least 1");
   }
@@ -195,9 +203,9 @@ export class Runner {
 
   /** Take and run rollouts until stopped (or `maxRollouts`); returns how many this runner finished. */
   async run(): Promise<number> {
-    await this.client.waitUntilReachable(this.o.connectTimeoutMs);
+    await this.client.waitUntilReachable(this.o.connectTimeout);
     await this.beatWorker();
-    const beats = setInterval(() => void this.beatWorker(), this.o.workerHeartbeatIntervalMs);
+    const beats = setInterval(() => void this.beatWorker(), ms(this.o.workerHeartbeatInterval));
     log.info("runner_started", { worker_id: this.workerId, concurrency: this.o.concurrency, store: this.client.config.target, language: "typescript" });
     try {
       while (!this.stopping.signal.aborted && !this.reachedMax()) {
@@ -211,13 +219,13 @@ export class Runner {
         try {
           claimed = await this.client.dequeueRollouts(free, {
             workerId: this.workerId,
-            waitSeconds: this.o.pollWaitSeconds,
+            wait: this.o.pollWait,
             signal: this.stopping.signal,
           });
         } catch (error) {
           if (this.stopping.signal.aborted) break;
           log.warning("dequeue_failed", { worker_id: this.workerId, error: String((error as Error).message) });
-          await sleep(Math.min(this.o.pollWaitSeconds * 1000, 1000), this.stopping.signal);
+          await sleep(Math.min(ms(this.o.pollWait), 1000), this.stopping.signal);
           continue;
         }
         for (const rollout of claimed) this.launch(rollout);
@@ -257,7 +265,7 @@ export class Runner {
     if (!rollout.resourcesId) return {};
     let cached = this.resources.get(rollout.resourcesId);
     if (!cached) {
-      cached = this.client.getResources(rollout.resourcesId);
+      cached = this.client.getResources(rollout.resourcesId).then((update) => update.resources);
       this.resources.set(rollout.resourcesId, cached);
       cached.catch(() => this.resources.delete(rollout.resourcesId));
     }
@@ -271,7 +279,7 @@ export class Runner {
     const started = nowNanos();
     let error: unknown;
     let reward: Reward | void = undefined;
-    const heartbeat = setInterval(() => void this.heartbeat(ctx), this.o.heartbeatIntervalMs);
+    const heartbeat = setInterval(() => void this.heartbeat(ctx), ms(this.o.heartbeatInterval));
     try {
       const resources = routedResources(await this.resourcesOf(rollout), rollout);
       reward = await this.agent(inputOf(rollout), resources, ctx);
@@ -300,7 +308,7 @@ export class Runner {
         error: error === undefined ? undefined : describe(error),
       }),
     );
-    if (!(await this.spans.flush(rollout.rolloutId, attempt.attemptId, 30_000))) {
+    if (!(await this.spans.flush(rollout.rolloutId, attempt.attemptId, 30))) {
       log.warning("spans_not_flushed", { rollout_id: rollout.rolloutId, attempt_id: attempt.attemptId });
     }
     await this.report(ctx, error);
@@ -332,10 +340,7 @@ export class Runner {
       }
       const message = describe(error).slice(0, 4000);
       log.warning("agent_failed", { rollout_id: ctx.rolloutId, attempt_id: ctx.attemptId, error: message });
-      await this.client.completeAttempt(ctx.rolloutId, ctx.attemptId, AttemptStatus.FAILED, {
-        message,
-        metadata: { error: errorRecord(error) },
-      });
+      await this.client.completeAttempt(ctx.rolloutId, ctx.attemptId, AttemptStatus.FAILED, message, { error: errorRecord(error) });
     } catch (refused) {
       if (refused instanceof FailedPreconditionError || refused instanceof NotFoundError) {
         log.info("report_refused", { rollout_id: ctx.rolloutId, attempt_id: ctx.attemptId, reason: refused.reason });
@@ -351,7 +356,7 @@ export class Runner {
     if (this.active.size === 0) return;
     log.info("runner_draining", { worker_id: this.workerId, active: this.active.size });
     const all = Promise.allSettled([...this.active.values()]);
-    await Promise.race([all, sleep(this.o.drainTimeoutMs)]);
+    await Promise.race([all, sleep(ms(this.o.drainTimeout))]);
   }
 
   private async beatWorker(): Promise<void> {

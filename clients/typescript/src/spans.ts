@@ -91,8 +91,8 @@ export interface SpanStreamOptions {
   maxBatch?: number;
   /** Batches sent and not yet acknowledged (default 32). */
   window?: number;
-  /** How long spans wait to fill a batch, in milliseconds (default 20). */
-  lingerMs?: number;
+  /** How long spans wait to fill a batch, in seconds (default 0.02). */
+  linger?: number;
   /** Called with each batch given up and why. */
   onGivenUp?: (spans: Span[], error: LightningError) => void;
 }
@@ -117,7 +117,7 @@ export class SpanStream {
   constructor(private readonly client: StoreClient, private readonly options: SpanStreamOptions = {}) {
     this.maxBatch = options.maxBatch ?? 64;
     this.window = options.window ?? 32;
-    this.lingerMs = options.lingerMs ?? 20;
+    this.lingerMs = Math.round((options.linger ?? 0.02) * 1000);
   }
 
   /** Queue one span of an attempt; it is sent soon, batched with others of the same attempt. */
@@ -140,10 +140,10 @@ export class SpanStream {
     return this.pendingByKey.get(`${rolloutId}\u0000${attemptId ?? ""}`) ?? 0;
   }
 
-  /** Wait until every span of the attempt (or every span) is stored or given up; false on timeout. */
-  async flush(rolloutId?: string, attemptId?: string, timeoutMs = 30_000): Promise<boolean> {
+  /** Wait until every span of the attempt (or every span) is stored or given up, up to `timeout` seconds; false on timeout. */
+  async flush(rolloutId?: string, attemptId?: string, timeout = 30): Promise<boolean> {
     this.cut();
-    const deadline = Date.now() + timeoutMs;
+    const deadline = Date.now() + timeout * 1000;
     while (this.pending(rolloutId, attemptId) > 0) {
       const left = deadline - Date.now();
       if (left <= 0) return false;
@@ -159,9 +159,9 @@ export class SpanStream {
     return true;
   }
 
-  /** Flush, then stop the stream. */
-  async close(timeoutMs = 10_000): Promise<void> {
-    await this.flush(undefined, undefined, timeoutMs);
+  /** Flush (up to `timeout` seconds), then stop the stream. */
+  async close(timeout = 10): Promise<void> {
+    await this.flush(undefined, undefined, timeout);
     this.closed = true;
     this.abort.abort();
     this.poke();

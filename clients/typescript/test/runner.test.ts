@@ -37,7 +37,8 @@ test("the runner plays rollouts, records root and reward spans, and keeps an age
         // several named dimensions: the first is the one training uses
         return task.named ? { accuracy: 1, brevity: 0.5 } : task.score;
       },
-      { store: server.address, concurrency: 2, maxRollouts: 3, pollWaitSeconds: 0.5, workerId: "ts-runner-1" },
+      server.address,
+      { concurrency: 2, maxRollouts: 3, pollWait: 0.5, workerId: "ts-runner-1" },
     );
     assert.equal(await runner.run(), 3);
     assert.deepEqual([runner.succeeded, runner.failed], [2, 1]);
@@ -89,7 +90,8 @@ test("a heartbeat that says stop aborts the agent through ctx.signal, and the ru
         sawAbort = true;
         return 1;
       },
-      { store: server.address, maxRollouts: 1, pollWaitSeconds: 0.3, heartbeatIntervalMs: 200 },
+      server.address,
+      { maxRollouts: 1, pollWait: 0.3, heartbeatInterval: 0.2 },
     );
     const running = runner.run();
     await eventually("the rollout to run", async () =>

@@ -38,7 +38,7 @@ describe("a server without auth", () => {
     const queued = await client.enqueueRollout({ question: "2+2", answer: 4 }, { groupId: "g-unary" });
     assert.equal(queued.status, RolloutStatus.QUEUING);
     assert.deepEqual(inputOf(await client.getRollout(queued.rolloutId)), { question: "2+2", answer: 4 });
-    const listed = await client.queryRollouts({ groupId: "g-unary" });
+    const listed = await client.queryRollouts({ groupId: "g-unary", statusIn: [RolloutStatus.QUEUING] });
     assert.deepEqual(listed.map((r) => r.rolloutId), [queued.rolloutId]);
 
     const [claimed] = await client.dequeueRollouts(1, { workerId: "ts-worker" });
@@ -48,8 +48,13 @@ describe("a server without auth", () => {
     const beat = await client.heartbeatAttempt(claimed.rolloutId, claimed.latestAttempt.attemptId);
     assert.equal(beat.shouldStop, false);
     assert.equal(beat.attempt.status, AttemptStatus.RUNNING);
-    const done = await client.completeAttempt(claimed.rolloutId, claimed.latestAttempt.attemptId, AttemptStatus.SUCCEEDED);
-    assert.equal(done.rollout.status, RolloutStatus.SUCCEEDED);
+    const [attempt, done] = await client.completeAttempt(claimed.rolloutId, claimed.latestAttempt.attemptId, AttemptStatus.SUCCEEDED);
+    assert.equal(attempt.status, AttemptStatus.SUCCEEDED);
+    assert.equal(done.status, RolloutStatus.SUCCEEDED);
+    assert.equal(await client.getRolloutById("ro-no-such"), undefined);
+    const page = await client.listRollouts({ groupId: "g-unary", pageSize: 1, descending: true });
+    assert.equal(page.totalSize, 1n);
+    assert.deepEqual(page.items.map((r) => r.rolloutId), [queued.rolloutId]);
 
     const stats = await client.statistics();
     assert.ok(stats.totalRollouts >= 1n);
@@ -58,13 +63,13 @@ describe("a server without auth", () => {
 
   test("a long-poll dequeue answers as soon as a rollout is queued", async () => {
     const started = Date.now();
-    const waiting = client.dequeueRollouts(1, { workerId: "ts-poller", waitSeconds: 10 });
+    const waiting = client.dequeueRollouts(1, { workerId: "ts-poller", wait: 10 });
     await new Promise((r) => setTimeout(r, 300));
     const queued = await client.enqueueRollout("late");
     const [got] = await waiting;
     assert.equal(got?.rolloutId, queued.rolloutId);
     assert.ok(Date.now() - started < 8000, "the dequeue waited out its whole wait");
-    const empty = await client.dequeueRollouts(1, { workerId: "ts-poller", waitSeconds: 0.3 });
+    const empty = await client.dequeueRollouts(1, { workerId: "ts-poller", wait: 0.3 });
     assert.deepEqual(empty, []);
   });
 
@@ -72,7 +77,7 @@ describe("a server without auth", () => {
     const watching = new AbortController();
     const seen: string[] = [];
     const watch = (async () => {
-      for await (const event of client.watchRollouts({ signal: watching.signal })) {
+      for await (const event of client.watchRollouts("", { signal: watching.signal })) {
         if (event.rollout?.groupId === "g-watch") seen.push(event.rollout.rolloutId);
       }
     })();
@@ -87,16 +92,17 @@ describe("a server without auth", () => {
     const tailing = new AbortController();
     const names: string[] = [];
     const tail = (async () => {
-      for await (const span of client.tailSpans(running.rolloutId, { follow: true, signal: tailing.signal })) {
-        names.push(span.name);
+      for await (const batch of client.tailSpans(running.rolloutId, undefined, { follow: true, signal: tailing.signal })) {
+        names.push(...batch.map((span) => span.name));
       }
     })().catch((error: unknown) => {
       if (!tailing.signal.aborted) throw error;
     });
     const traceId = rolloutTraceId(running.rolloutId);
-    await client.addSpans(running.rolloutId, attemptId, [makeSpan({ name: "first", rolloutId: running.rolloutId, attemptId, traceId })]);
+    const first = await client.addSpans([makeSpan({ name: "first", rolloutId: running.rolloutId, attemptId, traceId })]);
+    assert.equal(first.storedCount, 1);
     await eventually("the first tailed span", async () => (names.includes("first") ? true : undefined));
-    await client.addSpans(running.rolloutId, attemptId, [makeSpan({ name: "second", rolloutId: running.rolloutId, attemptId, traceId })]);
+    await client.addSpans([makeSpan({ name: "second", rolloutId: running.rolloutId, attemptId, traceId })], { rolloutId: running.rolloutId, attemptId });
     await eventually("the second tailed span", async () => (names.includes("second") ? true : undefined));
     tailing.abort();
     await tail;
@@ -112,7 +118,7 @@ describe("a server without auth", () => {
       stream.submit(makeSpan({ name: `s${i}`, rolloutId: running.rolloutId, attemptId, traceId, attributes: { i } }));
     }
     stream.submit(makeSpan({ name: "orphan", rolloutId: running.rolloutId, attemptId: "no-such-attempt", traceId }));
-    assert.equal(await stream.flush(undefined, undefined, 20_000), true);
+    assert.equal(await stream.flush(undefined, undefined, 20), true);
     await stream.close();
     const stored = await client.querySpans(running.rolloutId);
     assert.equal(stored.length, 100);
@@ -135,7 +141,7 @@ describe("a server without auth", () => {
       assert.match(error.field, /max_rollouts/);
       return true;
     });
-    const nowhere = new StoreClient({ target: "127.0.0.1:9", retry: { maxAttempts: 2, initialBackoffMs: 10, maxBackoffMs: 10, backoffMultiplier: 1 }, timeoutMs: 2000 });
+    const nowhere = new StoreClient({ target: "127.0.0.1:9", retry: { maxAttempts: 2, initialBackoffMs: 10, maxBackoffMs: 10, backoffMultiplier: 1 }, timeout: 2 });
     await assert.rejects(nowhere.statistics(), (error: unknown) => error instanceof UnavailableError && error.transient);
   });
 });
@@ -146,21 +152,21 @@ describe("a span stream across a server restart", () => {
     const db = join(dir, "store.db");
     let server = await startServer(["--db", db]);
     const port = server.address.split(":").pop()!;
-    const client = new StoreClient({ target: server.address, timeoutMs: 5000 });
+    const client = new StoreClient({ target: server.address, timeout: 5 });
     const running = await client.startRollout("resent", { workerId: "ts-restart" });
     const attemptId = running.latestAttempt!.attemptId;
     const traceId = rolloutTraceId(running.rolloutId);
     const stream = new SpanStream(client);
     const span = (name: string) => makeSpan({ name, rolloutId: running.rolloutId, attemptId, traceId });
     stream.submit(span("before"));
-    assert.equal(await stream.flush(undefined, undefined, 10_000), true);
+    assert.equal(await stream.flush(undefined, undefined, 10), true);
     await server.stop();
     for (let i = 0; i < 10; i++) stream.submit(span(`during-${i}`));
     await new Promise((r) => setTimeout(r, 500));
     assert.ok(stream.pending() > 0, "nothing can be stored while the server is down");
     server = await startServer(["--db", db, "--port", port]);
     try {
-      assert.equal(await stream.flush(undefined, undefined, 30_000), true);
+      assert.equal(await stream.flush(undefined, undefined, 30), true);
       await stream.close();
       const names = (await client.querySpans(running.rolloutId)).map((s) => s.name).sort();
       assert.deepEqual(names, ["before", ...Array.from({ length: 10 }, (_, i) => `during-${i}`)].sort());
@@ -202,7 +208,7 @@ describe("a server with auth", () => {
     await assert.rejects(agent.enqueueRollout("x"), (error: unknown) => error instanceof PermissionDeniedError && error.reason === "ROLE_NOT_ALLOWED");
     const traceId = rolloutTraceId(b.rolloutId);
     await assert.rejects(
-      agent.addSpans(b.rolloutId, b.latestAttempt!.attemptId, [makeSpan({ name: semconv.SPAN_REWARD, rolloutId: b.rolloutId, attemptId: b.latestAttempt!.attemptId, traceId })]),
+      agent.addSpans([makeSpan({ name: semconv.SPAN_REWARD, rolloutId: b.rolloutId, attemptId: b.latestAttempt!.attemptId, traceId })]),
       (error: unknown) => error instanceof PermissionDeniedError,
     );
     assert.equal((await admin.querySpans(b.rolloutId)).length, 0, "nothing recorded on the refused attempt");

@@ -1,13 +1,18 @@
-import { defineConfig } from "vite";
+import { defaultClientConditions, defineConfig } from "vite";
 
-// `@client` is the TypeScript client's source (clients/typescript/src): the one generated copy of the
-// contract and its semantic conventions (type-checked against that package's node_modules, so `make`
-// installs both). The bundle takes @bufbuild/protobuf and @connectrpc/connect from here, once.
-const client = decodeURIComponent(new URL("../../../clients/typescript/src", import.meta.url).pathname);
+// The TypeScript client (clients/typescript) is a package of the npm workspace at the repository root,
+// imported as `@lightning-grpc/client/...`: the one generated copy of the contract, its typed errors and
+// its semantic conventions. The `lightning-grpc-source` condition of that package's exports maps those
+// imports to its TypeScript source (tsconfig.json names the same condition), so the dashboard builds
+// without the client being compiled first. The bundle takes @bufbuild/protobuf and @connectrpc/connect once.
+const CLIENT_SOURCE_CONDITION = "lightning-grpc-source";
 
 // Built into ../static, which `lightning-grpc serve` serves next to the Connect gateway.
 export default defineConfig({
   base: "/",
-  resolve: { alias: { "@client": client }, dedupe: ["@bufbuild/protobuf", "@connectrpc/connect"] },
+  resolve: {
+    conditions: [CLIENT_SOURCE_CONDITION, ...defaultClientConditions],
+    dedupe: ["@bufbuild/protobuf", "@connectrpc/connect"],
+  },
   build: { outDir: "../static", emptyOutDir: true, sourcemap: true, chunkSizeWarningLimit: 1024 },
 });

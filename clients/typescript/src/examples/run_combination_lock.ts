@@ -26,11 +26,11 @@ const { values } = parseArgs({
 });
 
 const shutdownTracing = installOtlpTracing("combination-lock-agent");
-const runner = new Runner(agent, {
-  store: { target: values.store!, token: values.token || undefined },
+const runner = new Runner(agent, values.store!, {
+  token: values.token || undefined,
   concurrency: Number(values.concurrency),
   workerId: values["worker-id"] || undefined,
-  pollWaitSeconds: Number(values["poll-wait"]),
+  pollWait: Number(values["poll-wait"]),
   maxRollouts: values["max-rollouts"] ? Number(values["max-rollouts"]) : undefined,
 });
 for (const signal of ["SIGTERM", "SIGINT"] as const) process.on(signal, () => runner.stop());

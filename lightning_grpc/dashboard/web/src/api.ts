@@ -6,9 +6,9 @@
 import { createClient, ConnectError, Code, type Interceptor } from "@connectrpc/connect";
 import { createConnectTransport } from "@connectrpc/connect-web";
 import { timestampDate, type Timestamp } from "@bufbuild/protobuf/wkt";
-import { StoreService } from "@client/gen/lightning/v1/store_service_pb";
-import { TrainerService } from "@client/gen/lightning/v1/trainer_service_pb";
-import { fromConnectError, UnauthenticatedError } from "@client/errors";
+import { StoreService } from "@lightning-grpc/client/gen/lightning/v1/store_service_pb";
+import { TrainerService } from "@lightning-grpc/client/gen/lightning/v1/trainer_service_pb";
+import { fromConnectError, UnauthenticatedError } from "@lightning-grpc/client/errors";
 
 const TOKEN_KEY = "lightning-grpc.token";
 

@@ -1,7 +1,7 @@
 /** A rollout's reward: the primary reward of its latest attempt's last `lightning.reward` span. */
 import { store } from "./api";
-import { primaryReward, semconv } from "@client/semconv";
-import type { Span } from "@client/gen/lightning/v1/span_pb";
+import { primaryReward, semconv } from "@lightning-grpc/client/semconv";
+import type { Span } from "@lightning-grpc/client/gen/lightning/v1/span_pb";
 
 export function rewardOf(span: Span): number | undefined {
   return primaryReward(span.attributes);

@@ -1,5 +1,5 @@
-import { RolloutStatus, AttemptStatus } from "@client/gen/lightning/v1/rollout_pb";
-import { WorkerStatus } from "@client/gen/lightning/v1/worker_pb";
+import { RolloutStatus, AttemptStatus } from "@lightning-grpc/client/gen/lightning/v1/rollout_pb";
+import { WorkerStatus } from "@lightning-grpc/client/gen/lightning/v1/worker_pb";
 import { h } from "./dom";
 
 export function rolloutStatus(s: RolloutStatus): string {

@@ -3,8 +3,8 @@ import { store, date } from "../api";
 import { h, fmt } from "../dom";
 import { keepOpen, throttle } from "../live";
 import { TERMINAL, badge } from "../status";
-import { RolloutStatus } from "@client/gen/lightning/v1/rollout_pb";
-import { SortOrder } from "@client/gen/lightning/v1/common_pb";
+import { RolloutStatus } from "@lightning-grpc/client/gen/lightning/v1/rollout_pb";
+import { SortOrder } from "@lightning-grpc/client/gen/lightning/v1/common_pb";
 
 const WINDOW_MS = 60_000;
 

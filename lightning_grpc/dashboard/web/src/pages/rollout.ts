@@ -7,9 +7,9 @@ import { h, fmt } from "../dom";
 import { keepOpen, throttle } from "../live";
 import { badge, rolloutStatus, attemptStatus, TERMINAL } from "../status";
 import { rewardOf } from "../reward";
-import { plainValue as plain, semconv } from "@client/semconv";
-import { SpanStatusCode, type Span } from "@client/gen/lightning/v1/span_pb";
-import type { Rollout, Attempt } from "@client/gen/lightning/v1/rollout_pb";
+import { plainValue as plain, semconv } from "@lightning-grpc/client/semconv";
+import { SpanStatusCode, type Span } from "@lightning-grpc/client/gen/lightning/v1/span_pb";
+import type { Rollout, Attempt } from "@lightning-grpc/client/gen/lightning/v1/rollout_pb";
 import { toJson } from "@bufbuild/protobuf";
 import { ValueSchema } from "@bufbuild/protobuf/wkt";
 

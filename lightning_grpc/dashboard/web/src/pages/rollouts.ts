@@ -4,8 +4,8 @@ import { h, fmt } from "../dom";
 import { keepOpen } from "../live";
 import { badge, rolloutStatus, TERMINAL } from "../status";
 import { rolloutReward } from "../reward";
-import { RolloutMode, RolloutStatus, type Rollout } from "@client/gen/lightning/v1/rollout_pb";
-import { SortOrder } from "@client/gen/lightning/v1/common_pb";
+import { RolloutMode, RolloutStatus, type Rollout } from "@lightning-grpc/client/gen/lightning/v1/rollout_pb";
+import { SortOrder } from "@lightning-grpc/client/gen/lightning/v1/common_pb";
 
 const PAGE_SIZE = 25;
 

@@ -3,8 +3,8 @@ import { trainer, date } from "../api";
 import { h, fmt } from "../dom";
 import { LineChart } from "../chart";
 import { keepOpen } from "../live";
-import type { TrainingEvent } from "@client/gen/lightning/v1/trainer_service_pb";
-import { RolloutMode } from "@client/gen/lightning/v1/rollout_pb";
+import type { TrainingEvent } from "@lightning-grpc/client/gen/lightning/v1/trainer_service_pb";
+import { RolloutMode } from "@lightning-grpc/client/gen/lightning/v1/rollout_pb";
 
 const CHARTS: [string, string, string][] = [
   ["reward (training rollouts)", "reward_mean", "#2fb37a"],
