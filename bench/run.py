@@ -821,7 +821,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", action="store_true")
     mode.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--no-readme", action="store_true", help="do not refresh the table in README.md")
+    parser.add_argument(
+        "--no-readme", action="store_true", help="do not refresh the table in bench/README.md"
+    )
     args = parser.parse_args(argv)
     profile = "smoke" if args.smoke else "quick" if args.quick else "full"
     sizes = PROFILES[profile]
@@ -876,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios["trainer_loop_vs_direct"] = loop["rollouts_per_second_ratio"]
         ratios["trainer_data_path_share"] = loop["data_path_share"]
     report["goals"] = goals(ratios, latency, rss)
-    write_reports(report, args.out, None if (args.no_readme or args.smoke) else ROOT / "README.md")
+    write_reports(report, args.out, None if (args.no_readme or args.smoke) else ROOT / "bench" / "README.md")
     log(f"wrote {args.out / 'latest.json'} and latest.md")
     print((args.out / "latest.md").read_text())
     return 0

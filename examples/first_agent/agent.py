@@ -4,7 +4,7 @@
 
 The runner gives each rollout its task input and the ``llm`` resource (a ``ProxyLLM``) already routed
 to the attempt, so the proxy records the call, with its token ids, as a span of this attempt. The
-value returned is the rollout's reward. See the README's "Running agents" for the whole walk-through.
+value returned is the rollout's reward. See docs/running-agents.md for the whole walk-through.
 """
 
 from lightning_grpc.runner import rollout

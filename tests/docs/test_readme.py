@@ -1,9 +1,13 @@
-"""Every code block of the README runs here, as written, and what it prints is checked.
+"""Every code block of the docs runs here, as written, and what it prints is checked; every link resolves.
 
-The blocks are run against real processes started from the README's own commands, on free ports and
-temporary paths in place of the README's 4747, 4748, 8000, /tmp/tiny and lightning.db. A block that
-cannot run here (a GPU cluster, the full training run) is named in ``NOT_RUN`` with the test that
-covers it, and a new block is an error until it is run or named.
+The docs are ``DOCS``: README.md, every page of docs/, bench/README.md and examples/README.md. Their
+blocks are run against real processes started from the docs' own commands, on free ports and temporary
+paths in place of the docs' 4747, 4748, 8000, /tmp/tiny and lightning.db. A block is found by its first
+line, in whichever doc holds it. A block that cannot run here (a GPU cluster, the full training run) is
+named in ``NOT_RUN`` with the test that covers it, and a new block is an error until it is run or named.
+
+The README's contents link every page of docs/, and every relative link of the docs (file and
+``#anchor``, GitHub's heading slugs) points at something that exists.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ import pytest
 from tests.conftest import ROOT
 
 README = (ROOT / "README.md").read_text()
+#: Every doc whose code blocks are run here or named in ``NOT_RUN``.
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "bench" / "README.md",
+    ROOT / "examples" / "README.md",
+]
 BIN = str(Path(sys.executable).parent) + "/"
 ELLIPSIS = "…"
 
@@ -39,10 +50,17 @@ NOT_RUN = {
     ".venv/bin/lightning-grpc runner my_agents:agent": (
         "placeholder module names and a Ray cluster; the walk-through runs the same runner command"
     ),
-    "proto/lightning/v1/        the contract": "a directory listing, not code",
     "[model]": (
         "sections of examples/combination_lock/vllm.toml, which tests/vllm/test_vllm_training.py trains with"
         " (`make vllm-test`); test_the_real_engines_block_is_the_vllm_examples_settings checks them"
+    ),
+    "LIGHTNING_GRPC_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python bench/weight_sync.py": (
+        "a benchmark (never part of `make test`) of vLLM's environment (`make vllm-env`), minutes long;"
+        " tests/vllm/test_vllm_training.py checks vLLM's weight sync step by step (`make vllm-test`)"
+    ),
+    "LIGHTNING_GRPC_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python bench/trainer_loop.py": (
+        "a benchmark (never part of `make test`) of vLLM's environment and 2 Ray ranks; `make bench` runs"
+        " bench/trainer_loop.py on the demo's config, tests/vllm/test_vllm_training.py trains vllm.toml"
     ),
     ".venv/bin/python -m lightning_grpc.training.engines extension": (
         "needs vLLM's environment; tests/vllm/test_vllm_training.py runs the extension command and a vLLM"
@@ -62,6 +80,7 @@ NOT_RUN = {
 class Block:
     language: str
     text: str
+    doc: str = "README.md"  # the doc that holds it, relative to the repository root
 
     @property
     def first_line(self) -> str:
@@ -69,12 +88,19 @@ class Block:
 
 
 def blocks() -> list[Block]:
-    return [Block(m.group(1), m.group(2)) for m in re.finditer(r"```(\w*)\n(.*?)```", README, re.S)]
+    """The fenced blocks of every doc, in ``DOCS`` order."""
+    return [
+        Block(m.group(1), m.group(2), str(doc.relative_to(ROOT)))
+        for doc in DOCS
+        for m in re.finditer(r"```(\w*)\n(.*?)```", doc.read_text(), re.S)
+    ]
 
 
 def block(first_line: str) -> Block:
-    (found,) = [b for b in blocks() if b.first_line.startswith(first_line)]
-    return found
+    """The one block of all the docs that starts with ``first_line``."""
+    found = [b for b in blocks() if b.first_line.startswith(first_line)]
+    assert len(found) == 1, f"want one block starting {first_line!r}, got {[b.doc for b in found]}"
+    return found[0]
 
 
 def free_port() -> int:
@@ -212,10 +238,15 @@ def test_every_block_is_run_here_or_named_with_what_covers_it() -> None:
         "export OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
         "from lightning_grpc.client import TrainerClient",
         ".venv/bin/lightning-grpc triplets",
+        ".venv/bin/lightning-grpc serve --memory --port 4747 &",
+        ".venv/bin/python bench/auth_cost.py",
     }
+    assert {doc.relative_to(ROOT).as_posix() for doc in DOCS} >= {"README.md", "docs/training.md"}
     for b in blocks():
         covered = [key for key in (*run_here, *NOT_RUN) if b.first_line.startswith(key)]
-        assert len(covered) == 1, f"README block not run by a test: {b.first_line!r}"
+        assert len(covered) == 1, f"{b.doc} block not run by a test: {b.first_line!r}"
+    for key in (*run_here, *NOT_RUN):  # a key whose block went away is stale
+        assert any(b.first_line.startswith(key) for b in blocks()), f"no block starts with {key!r}"
 
 
 def test_the_quickstart_program_prints_what_it_says(quickstart: Machine) -> None:
@@ -336,3 +367,116 @@ def test_the_real_engines_block_is_the_vllm_examples_settings() -> None:
     for section, values in shown.items():
         for key, value in values.items():
             assert example[section][key] == value, (section, key)
+
+
+# ---------------------------------------------------------------- bench/README.md
+def test_the_trainer_batch_benchmark_runs_as_written(tmp_path: Path) -> None:
+    machine = Machine(tmp_path)
+    serve, *benchmarks = (
+        block(".venv/bin/lightning-grpc serve --memory --port 4747 &").text.strip().splitlines()
+    )
+    try:
+        machine.run(serve)
+        machine.wait_for_store()
+        for command in benchmarks:
+            printed = [
+                line for line in machine.run(command, timeout=300).splitlines() if line.startswith("{")
+            ]
+            report = json.loads(printed[-1])
+            assert (
+                report["workload"] == "trainer_batch" and report["speedup"] > 0 and report["wire_ratio"] > 0
+            )
+            assert set(report["regimes"]) == {"tiny_2048", "qwen_151646"}
+            assert all(regime["identical_arrays"] for regime in report["regimes"].values())
+    finally:
+        machine.stop()
+
+
+def test_the_access_cost_benchmark_runs_as_written(tmp_path: Path) -> None:
+    (command,) = block(".venv/bin/python bench/auth_cost.py").text.strip().splitlines()
+    out = tmp_path / "auth_cost.json"  # not the committed bench/results/auth_cost.json
+    printed = Machine(tmp_path).run(f"{command} --out {out}", timeout=400)
+    medians = json.loads(out.read_text())["medians"]
+    assert set(medians) == {"open", "admin", "runner"} and all(rate > 0 for rate in medians.values())
+    assert "rollouts/s" in printed
+
+
+# ---------------------------------------------------------------- links and contents
+LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)\)")
+
+
+def without_blocks(text: str) -> str:
+    """The doc without its fenced blocks, where a ``#`` line is no heading."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def without_code(text: str) -> str:
+    """The doc without its fenced blocks and inline code, where ``[..](..)`` is no link."""
+    return re.sub(r"`[^`\n]*`", "", without_blocks(text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped (``-`` and ``_`` kept), spaces to ``-``."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())  # a link: its text
+    return re.sub(r"[^\w\- ]", "", text.replace("`", "")).replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    """Every heading's anchor in ``doc``, repeats numbered as GitHub numbers them (``-1``, ``-2``...)."""
+    seen: dict[str, int] = {}
+    found = set()
+    for line in without_blocks(doc.read_text()).splitlines():
+        heading = re.match(r"#{1,6} (.*)", line)
+        if not heading:
+            continue
+        base = slug(heading.group(1))
+        found.add(f"{base}-{seen[base]}" if base in seen else base)
+        seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def links(doc: Path) -> list[str]:
+    return LINK.findall(without_code(doc.read_text()))
+
+
+def test_slugs_are_githubs() -> None:
+    assert slug("Train an agent: `make demo`") == "train-an-agent-make-demo"
+    assert slug("Real engines: vLLM serves, FSDP ranks placed by Ray learn") == (
+        "real-engines-vllm-serves-fsdp-ranks-placed-by-ray-learn"
+    )
+    assert slug("Training batch (`trainer_batch.py`)") == "training-batch-trainer_batchpy"
+    assert slug("The loop against direct generation (`trainer_loop.py --config`)") == (
+        "the-loop-against-direct-generation-trainer_looppy---config"
+    )
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda doc: doc.relative_to(ROOT).as_posix())
+def test_every_relative_link_of_the_docs_points_at_something_that_exists(doc: Path) -> None:
+    for target in links(doc):
+        if re.match(r"[a-z]+:", target):  # https:, mailto: ...
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (doc.parent / path).resolve() if path else doc
+        assert resolved.exists(), f"{doc.relative_to(ROOT)} links to {target!r}: no such file"
+        if anchor:
+            assert resolved.suffix == ".md", f"{doc.relative_to(ROOT)}: an anchor into {target!r}"
+            assert anchor in anchors(resolved), (
+                f"{doc.relative_to(ROOT)} links to {target!r}: no such heading"
+            )
+
+
+def test_the_readme_has_contents_that_link_its_sections_and_every_docs_page() -> None:
+    contents = README.split("## Contents\n", 1)[1].split("\n## ", 1)[0]
+    listed = LINK.findall(contents)
+    sections = {slug(h) for h in re.findall(r"^## (.*)$", without_blocks(README), re.M)} - {"contents"}
+    assert sections and sections <= {target[1:] for target in listed if target.startswith("#")}
+    pages = {page.relative_to(ROOT).as_posix() for page in (ROOT / "docs").glob("*.md")}
+    assert pages and pages <= set(listed), (
+        f"docs pages missing from the README's contents: {pages - set(listed)}"
+    )
+    assert {"ARCHITECTURE.md", "bench/README.md", "examples/README.md"} <= set(listed)
+
+
+def test_the_readme_stays_a_front_door() -> None:
+    assert len(README.splitlines()) <= 250
+    assert "<!-- bench:start -->" in (ROOT / "bench" / "README.md").read_text()
