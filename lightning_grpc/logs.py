@@ -1,11 +1,12 @@
 """How every process of lightning-grpc logs: one line per record, ``key=value`` events, to stdout.
 
 The CLI, runner processes and the trainer's child processes call :func:`configure_logging` once. Every
-module takes its logger from :func:`get_logger`, whose filter makes each value a record carries safe to
-print, in one place: values that came from callers (ids, model names, reasons, headers, paths, error
-messages) are clipped to :data:`MAX_VALUE_CHARS`, control characters are escaped (a newline, or a ``%0A``
-decoded from a URL, cannot start a new line), and a value holding a space, a quote or ``=`` is quoted, so
-it cannot pass for another ``key=value`` field such as ``event=``. Numbers pass unchanged.
+module takes its logger from ``get_logger(__name__)`` (:func:`get_logger`), whose filter makes each value
+a record carries safe to print, in one place: values that came from callers (ids, model names, reasons,
+headers, paths, error messages) are clipped to :data:`MAX_VALUE_CHARS`, control characters are escaped (a
+newline, or a ``%0A`` decoded from a URL, cannot start a new line), and a value holding a space, a quote or
+``=`` is quoted, so it cannot pass for another ``key=value`` field such as ``event=``. Numbers pass
+unchanged.
 """
 
 from __future__ import annotations
@@ -85,7 +86,16 @@ _SAFE_VALUES = SafeValues()
 
 
 def get_logger(name: str) -> logging.Logger:
-    """The logger ``name``, with the filter that makes the values of its records safe to print."""
+    """The logger ``name``, with the filter that makes the values of its records safe to print.
+
+    Every module passes its ``__name__``, so a logger is named after its module and sits under the
+    ``lightning_grpc`` logger (and its package's: ``lightning_grpc.store``, ``lightning_grpc.engine``, ...),
+    where levels and capture are set for a whole component. A module run with ``python -m`` keeps its
+    dotted name rather than ``__main__``.
+    """
+    if name == "__main__":
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        name = spec.name if spec is not None and spec.name else name
     logger = logging.getLogger(name)
     if _SAFE_VALUES not in logger.filters:
         logger.addFilter(_SAFE_VALUES)

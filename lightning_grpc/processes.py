@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from lightning_grpc import environment
+
 #: The arguments that run ``lightning-grpc`` with a Python interpreter (``python -m ...``).
 CLI = ["-m", "lightning_grpc.cli.main"]
 
@@ -98,7 +100,7 @@ def log_field(line: str, key: str) -> str:
 
 
 #: Set for a child started by :class:`Background`: the pid it stops with (see :func:`stop_with_parent`).
-PARENT_ENV = "LIGHTNING_GRPC_PARENT_PID"
+PARENT_ENV = environment.PARENT_PID
 
 
 def freeze_startup_heap() -> None:
@@ -134,7 +136,7 @@ def stop_with_parent(interval: float = 1.0) -> None:
 
 def child_env() -> dict[str, str]:
     """This environment without LIGHTNING_GRPC_* settings (a token or store address of the user's own)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_GRPC_")}
+    return {k: v for k, v in os.environ.items() if not k.startswith(environment.PREFIX)}
 
 
 def model_child_env(threads: int) -> dict[str, str]:

@@ -207,7 +207,8 @@ class PromptTemplate:
         if self.engine == "jinja":
             import jinja2
 
-            return jinja2.Template(self.template).render(**values)
+            template: jinja2.Template = jinja2.Template(self.template)
+            return template.render(**values)
         raise ValueError(f"unknown template engine {self.engine!r}")
 
 

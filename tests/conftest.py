@@ -15,7 +15,8 @@ import pytest
 import pytest_asyncio
 
 from lightning_grpc.client import StoreClient
-from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
+from lightning_grpc.server.app import RunningServer, ServerConfig
+from tests.helpers import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.engine_fixtures"]
@@ -34,11 +35,8 @@ def server_config(backend: str, tmp_path: Path) -> ServerConfig:
 
 @pytest_asyncio.fixture
 async def server(server_config: ServerConfig) -> AsyncIterator[RunningServer]:
-    running = await start_server(server_config)
-    try:
+    async with serving(server_config) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest_asyncio.fixture
@@ -53,11 +51,8 @@ async def client(server: RunningServer) -> AsyncIterator[StoreClient]:
 @pytest_asyncio.fixture
 async def store_server() -> AsyncIterator[RunningServer]:
     """A Store server in memory, no token (files that need another define their own)."""
-    running = await start_server(ServerConfig(port=0, grace=1.0))
-    try:
+    async with serving(ServerConfig(port=0, grace=1.0)) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest_asyncio.fixture
@@ -68,6 +63,71 @@ async def store(store_server: RunningServer) -> AsyncIterator[StoreClient]:
         yield client
     finally:
         await client.close()
+
+
+#: Tests of the whole system (training runs, the examples, real vLLM): marked e2e by where they live.
+E2E_PATHS = ("tests/e2e/", "tests/examples/", "tests/training/test_training.py", "tests/vllm/")
+#: Tests measured slow (0.9 s or more on this project's 2-core CPU machine): node-id prefixes, marked slow,
+#: which `make test-fast` leaves out (about 1.5 minutes here for the rest).
+SLOW_TESTS = (
+    # whole files and folders: they start servers, browsers or children in every test
+    "tests/docs/",
+    "tests/bench/",
+    "tests/dashboard/test_dashboard.py::",
+    "tests/training/test_distributed_learner.py::",
+    "tests/store/test_durability.py::",
+    # one test each: 0.9 s or more in `make test PYTEST_ARGS=--durations=150` (2026-11-26, 2 cores)
+    "tests/batching/test_trainer_service.py::test_cli_shows_a_rollouts_triplets_and_the_trainer_status",
+    "tests/batching/test_trainer_service.py::test_kill_9_between_submit_and_batch_loses_nothing",
+    "tests/cli/test_cli.py::test_a_runner_that_cannot_reach_its_store_says_so_in_one_line_and_exits",
+    "tests/cli/test_cli.py::test_cancel_then_delete_a_rollout",
+    "tests/cli/test_cli.py::test_help_of_no_flags_is_truthful_and_shows_no_default_from_the_environment",
+    "tests/cli/test_cli.py::test_help_shows_defaults_and_no_internal_names",
+    "tests/cli/test_cli.py::test_serve_names_the_option_to_pass_when_the_backend_cannot_say_its_model",
+    "tests/cli/test_cli.py::test_store_and_token_come_from_the_environment",
+    "tests/cli/test_cli.py::test_unreachable_store_is_a_one_line_error",
+    "tests/dashboard/test_dashboard_gateway.py::test_a_watch_streams_live_then_ends_with_an_end_stream_message",
+    "tests/dashboard/test_dashboard_gateway.py::test_serve_starts_the_dashboard_and_no_dashboard_turns_it_off",
+    "tests/engine/test_engine.py::test_chat_token_ids_match_the_template_and_the_text",
+    "tests/engine/test_engine.py::test_init_model_cli_then_an_engine_subprocess",
+    "tests/engine/test_engine.py::test_init_model_refuses_to_overwrite_a_model_without_force",
+    "tests/engine/test_engine.py::test_the_admin_key_file_the_engine_made_is_removed_when_it_exits",
+    "tests/proxy/test_proxy.py::test_32_concurrent_agents_each_recorded_once_under_its_attempt",
+    "tests/proxy/test_proxy.py::test_a_long_call_keeps_its_attempt_alive",
+    "tests/proxy/test_proxy.py::test_litellm_reshapes_vllm_token_fields",
+    "tests/proxy/test_proxy.py::test_spans_written_while_the_store_is_down_arrive_when_it_returns",
+    "tests/proxy/test_proxy_access.py::test_a_store_out_of_reach_is_a_server_side_error_that_names_no_address",
+    "tests/runner/test_runner.py::test_200_concurrent_rollouts_keep_every_span_in_its_own_attempt",
+    "tests/runner/test_runner.py::test_a_killed_runner_leaves_unresponsive_attempts_that_another_runner_retries",
+    "tests/runner/test_runner.py::test_a_ray_fleet_runs_a_batch_of_rollouts_to_completion",
+    "tests/runner/test_runner.py::test_sigterm_while_a_fleet_starts_stops_it_cleanly",
+    "tests/runner/test_runner.py::test_spans_cut_by_a_store_restart_arrive_exactly_once",
+    "tests/runner/test_runner.py::test_the_runner_command_runs_ray_actors_on_a_local_ray",
+    "tests/server/test_access.py::test_a_fleet_started_with_the_admin_token_gives_each_process_its_own_runner_credential",
+    "tests/server/test_hardening.py::test_the_shortest_progress_interval_allowed_paces_the_watcher",
+    "tests/server/test_otlp.py::test_twenty_mebibyte_gzip_request",
+    "tests/server/test_server.py::test_retries_recover_when_the_server_comes_up_during_the_call",
+    "tests/server/test_server.py::test_sqlite_state_survives_a_restart",
+    "tests/store/test_store_robustness.py::test_generated_traffic_keeps_the_store_sound",
+    "tests/store/test_store_semantics.py::test_a_superseded_attempt_cannot_move_the_rollout_but_its_spans_are_kept",
+    "tests/store/test_store_semantics.py::test_heartbeats_and_spans_both_keep_an_attempt_alive",
+    "tests/store/test_store_semantics.py::test_tail_spans_follow_ends_when_the_rollout_has_ended",
+    "tests/store/test_store_semantics.py::test_timeout_fires_within_a_second_with_no_client_calls",
+    "tests/store/test_store_semantics.py::test_worker_heartbeats_do_not_keep_an_attempt_alive",
+    "tests/test_extras.py::test_a_missing_extra_is_named",
+    "tests/test_processes.py::test_a_child_server_stops_when_its_parent_is_killed",
+    "tests/training/test_experiment_config.py::test_help_config_lists_every_key_with_its_type_default_and_help",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark e2e and slow tests, which `make test-fast` leaves out (`make test` runs everything)."""
+    for item in items:
+        node = item.nodeid
+        if node.startswith(E2E_PATHS):
+            item.add_marker(pytest.mark.e2e)
+        if node.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
 
 
 def status_of(exc: BaseException) -> str:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 
+import lightning_grpc
 from lightning_grpc.logs import OneLineFormatter
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
@@ -66,3 +69,35 @@ server.shutdown()
     assert done.returncode == 0, done.stderr
     assert "event=agent_called" in done.stdout
     assert "HTTP Request" not in done.stdout + done.stderr
+
+
+def test_every_module_names_its_logger_after_itself() -> None:
+    """``get_logger(__name__)``, never a hand-written name: a logger sits under its package's, where a
+    component's level is set and its records are captured."""
+    root = Path(lightning_grpc.__file__).parent
+    spelled = []
+    for path in sorted(root.rglob("*.py")):
+        if "node_modules" in path.parts or path.parent.name == "v1":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, (ast.Attribute, ast.Name))
+                and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+                in ("get_logger", "getLogger")
+                and node.args
+                and isinstance(node.args[0], (ast.Constant, ast.JoinedStr))
+            ):
+                spelled.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert spelled == []
+
+
+def test_a_module_run_with_python_m_logs_under_its_own_name(tmp_path: Path) -> None:
+    (tmp_path / "probe_module.py").write_text(
+        "from lightning_grpc import logs\nprint(logs.get_logger(__name__).name)\n", encoding="utf-8"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "probe_module"], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "probe_module"

@@ -39,7 +39,7 @@ from .groups import (
 )
 from .options import MAX_GROUPS, BatchOptions
 
-log = logs.get_logger("lightning_grpc.batching")
+log = logs.get_logger(__name__)
 
 MAX_SAMPLES = 10_000
 MAX_GROUP_SIZE = 1024

@@ -104,7 +104,7 @@ def concat(parts: Sequence[Ragged]) -> Ragged:
     return Ragged(
         token_ids=np.concatenate([p.token_ids.astype(dtype, copy=False) for p in parts]),
         response_mask=np.concatenate([p.response_mask for p in parts]),
-        rollout_log_probs=np.concatenate([p.rollout_log_probs for p in parts]) if all(with_lp) else None,  # type: ignore[misc]
+        rollout_log_probs=np.concatenate([p.rollout_log_probs for p in parts]) if all(with_lp) else None,
         **{name: np.concatenate([getattr(p, name) for p in parts]) for name in ROW_ARRAYS},
     )
 
@@ -386,7 +386,8 @@ def row_bytes(batch: Ragged) -> np.ndarray:
     """Approximate wire bytes of each row (its token data plus a fixed per-row share)."""
     lp_size = 0 if batch.rollout_log_probs is None else 4
     tokens = (batch.prompt_lengths.astype(np.int64) + batch.response_lengths) * batch.token_ids.dtype.itemsize
-    return tokens + batch.response_lengths.astype(np.int64) * (1 + lp_size) + 160
+    sizes: np.ndarray = tokens + batch.response_lengths.astype(np.int64) * (1 + lp_size) + 160
+    return sizes
 
 
 def chunk_bounds(sizes: np.ndarray, limit: int) -> list[tuple[int, int]]:

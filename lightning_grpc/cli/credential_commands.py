@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+from lightning_grpc import environment
 from lightning_grpc.access import Credentials
 
 from .queue_commands import parse_duration
@@ -31,15 +32,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     r.add_argument(
         "--token",
-        default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
-        help="the store's admin token (default: $LIGHTNING_GRPC_TOKEN)",
+        default=os.environ.get(environment.TOKEN),
+        help=f"the store's admin token (default: ${environment.TOKEN})",
     )
     r.set_defaults(func=run_runner_credential)
 
 
 def run_runner_credential(args: argparse.Namespace) -> int:
     if not args.token:
-        print("error: the admin token is needed: --token or $LIGHTNING_GRPC_TOKEN", file=sys.stderr)
+        print(f"error: the admin token is needed: --token or ${environment.TOKEN}", file=sys.stderr)
         return 2
     if not args.worker_id.strip():
         print("error: --worker-id must not be empty", file=sys.stderr)

@@ -17,9 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-from lightning_grpc import logs
+from lightning_grpc import environment, logs
 
-log = logs.get_logger("lightning_grpc.engine")
+log = logs.get_logger(__name__)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -58,13 +58,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--policy-version", type=int, default=0, help="the version reported until a reload")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("LIGHTNING_GRPC_ENGINE_API_KEY"),
-        help="required on the inference routes ($LIGHTNING_GRPC_ENGINE_API_KEY; default: open, for loopback)",
+        default=os.environ.get(environment.ENGINE_API_KEY),
+        help=f"required on the inference routes (${environment.ENGINE_API_KEY}; default: open, for loopback)",
     )
     p.add_argument(
         "--admin-key",
-        default=os.environ.get("LIGHTNING_GRPC_ENGINE_ADMIN_KEY"),
-        help="required on /admin/load_weights ($LIGHTNING_GRPC_ENGINE_ADMIN_KEY; default: --api-key, "
+        default=os.environ.get(environment.ENGINE_ADMIN_KEY),
+        help=f"required on /admin/load_weights (${environment.ENGINE_ADMIN_KEY}; default: --api-key, "
         "else a new key written to --admin-key-file)",
     )
     p.add_argument(

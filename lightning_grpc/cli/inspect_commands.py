@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from lightning_grpc import semconv
+from lightning_grpc import environment, semconv
 from lightning_grpc import types as t
 from lightning_grpc.algorithm import Algorithm
 from lightning_grpc.client import ClientConfig, StoreClient
@@ -99,9 +99,9 @@ def add_store_option(p: argparse.ArgumentParser, what: str = "the store server")
     """``--store HOST:PORT``, from $LIGHTNING_GRPC_STORE when set (every command that talks to a store)."""
     p.add_argument(
         "--store",
-        default=os.environ.get("LIGHTNING_GRPC_STORE") or DEFAULT_STORE,
+        default=environment.read(environment.STORE) or DEFAULT_STORE,
         metavar="HOST:PORT",
-        help=f"{what} (default: $LIGHTNING_GRPC_STORE or {DEFAULT_STORE})",
+        help=f"{what} (default: ${environment.STORE} or {DEFAULT_STORE})",
     )
 
 
@@ -110,8 +110,8 @@ def common_options() -> argparse.ArgumentParser:
     add_store_option(common)
     common.add_argument(
         "--token",
-        default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
-        help="bearer token (default: $LIGHTNING_GRPC_TOKEN)",
+        default=os.environ.get(environment.TOKEN),
+        help=f"bearer token (default: ${environment.TOKEN})",
     )
     common.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     common.add_argument("--timeout", type=float, default=10.0, help="seconds each call may take")

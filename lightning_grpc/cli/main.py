@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_grpc import logs
+from lightning_grpc import environment, logs
 from lightning_grpc.cli import proxy_commands
 from lightning_grpc.cli.inspect_commands import add_store_option
 from lightning_grpc.errors import LightningError
 from lightning_grpc.processes import stop_with_parent
 
-log = logs.get_logger("lightning_grpc.cli")
+log = logs.get_logger(__name__)
 
 SIZE_UNITS = {
     "": 1,
@@ -70,9 +70,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--max-span-size", type=parse_size, default=16 * 1024 * 1024, help="largest span accepted")
     p.add_argument(
         "--token",
-        default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
+        default=os.environ.get(environment.TOKEN),
         help="the admin token: every call but health and reflection then needs a credential "
-        "(this token, or one signed under it; default: $LIGHTNING_GRPC_TOKEN)",
+        f"(this token, or one signed under it; default: ${environment.TOKEN})",
     )
     p.add_argument(
         "--no-reflection",
@@ -168,9 +168,9 @@ def add_runner_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     add_store_option(p, "the store to take rollouts from")
     p.add_argument(
         "--token",
-        default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
+        default=os.environ.get(environment.TOKEN),
         help="the admin token, or a runner credential (its worker id becomes the runner's) "
-        "(default: $LIGHTNING_GRPC_TOKEN)",
+        f"(default: ${environment.TOKEN})",
     )
     p.add_argument("--concurrency", type=int, default=1, help="rollouts run at once in each process")
     p.add_argument(
@@ -202,7 +202,7 @@ def run_runner(args: argparse.Namespace) -> int:
     from lightning_grpc.runner.fleet import run_ray
 
     logs.configure_logging(args.log_level)
-    os.environ["LIGHTNING_GRPC_LOG_LEVEL"] = args.log_level
+    os.environ[environment.LOG_LEVEL] = args.log_level
     if args.concurrency < 1 or args.processes < 1:
         raise SystemExit("error: --concurrency and --processes must be at least 1")
     spec = RunnerSpec(

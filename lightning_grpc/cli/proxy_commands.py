@@ -15,10 +15,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from lightning_grpc import logs
+from lightning_grpc import environment, logs
 from lightning_grpc.cli.inspect_commands import add_store_option
 
-log = logs.get_logger("lightning_grpc.cli")
+log = logs.get_logger(__name__)
 
 #: How long serve and proxy wait for a backend that is still starting (connection refused) to list its model.
 BACKEND_START_WAIT = 60.0
@@ -71,8 +71,8 @@ def _backend_options(p: argparse.ArgumentParser, prefix: str) -> None:
         f"--{prefix}api-key",
         dest="proxy_api_key",
         metavar="KEY",
-        default=os.environ.get("LIGHTNING_GRPC_BACKEND_API_KEY", ""),
-        help="bearer token for the backends (default: $LIGHTNING_GRPC_BACKEND_API_KEY)",
+        default=os.environ.get(environment.BACKEND_API_KEY, ""),
+        help=f"bearer token for the backends (default: ${environment.BACKEND_API_KEY})",
     )
     p.add_argument(
         f"--{prefix}policy-version",
@@ -112,8 +112,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     add_store_option(p, "the store the calls are recorded into")
     p.add_argument(
         "--token",
-        default=os.environ.get("LIGHTNING_GRPC_TOKEN"),
-        help="bearer token of the store, also required by the proxy's gRPC side (default: $LIGHTNING_GRPC_TOKEN)",
+        default=os.environ.get(environment.TOKEN),
+        help=f"bearer token of the store, also required by the proxy's gRPC side (default: ${environment.TOKEN})",
     )
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP and gRPC sides")
     p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0: any free port)")

@@ -3,6 +3,7 @@
 lightning-grpc train examples/combination_lock/config.toml
 lightning-grpc train config.toml --resume runs/lock/checkpoints/step-000050 --set experiment.steps=400
 lightning-grpc train config.toml --backend verl --dry-run     # the config verl would run, checked by verl
+lightning-grpc train --help-config                            # every section and key of the file
 """
 
 from __future__ import annotations
@@ -16,9 +17,33 @@ from typing import Any
 from lightning_grpc import logs
 
 
+class HelpConfigAction(argparse.Action):
+    """``--help-config``: print every section and key of an experiment file, then exit (as --help does)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        from lightning_grpc.training.experiment import describe_config
+
+        print(describe_config(), end="")
+        parser.exit()
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("train", help="run a training experiment described by a TOML or YAML file")
-    p.add_argument("config", type=Path, help="the experiment file")
+    p.add_argument("config", type=Path, help="the experiment file (its keys: --help-config)")
+    p.add_argument(
+        "--help-config",
+        action=HelpConfigAction,
+        help="list every section and key of the experiment file, with its type, default and meaning, and exit",
+    )
     p.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from a checkpoint directory")
     p.add_argument(
         "--set",

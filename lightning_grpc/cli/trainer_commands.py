@@ -11,6 +11,7 @@ import asyncio
 import json
 from typing import Any
 
+from lightning_grpc._extras import extra_imports
 from lightning_grpc.batching import TrainerStatus
 from lightning_grpc.cli.inspect_commands import common_options, format_fields, format_table, jsonable
 from lightning_grpc.client import ClientConfig, RolloutTripletReport, TrainerClient
@@ -63,7 +64,8 @@ async def show_triplets(client: TrainerClient, args: argparse.Namespace) -> None
 def _decoder(path: str | None) -> Any:
     if not path:
         return None
-    from transformers import AutoTokenizer
+    with extra_imports("engine"):
+        from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return lambda ids: tokenizer.decode(list(ids))

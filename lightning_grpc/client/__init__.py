@@ -1,10 +1,19 @@
-"""Python clients of the lightning-grpc services, and the one channel factory they share."""
+"""The Python clients of the lightning-grpc services: the public API.
+
+- :class:`StoreClient` / :class:`SyncStoreClient`: rollouts, attempts, spans, resources, workers;
+- :class:`TrainerClient` / :class:`SyncTrainerClient`: GRPO groups, training batches, steps;
+- :class:`ProxyClient`: the LLM proxy's backends, pause and drain;
+- :class:`ClientConfig`, :class:`RetryConfig`, :class:`TlsConfig`: how to reach a server.
+
+Every method raises a subclass of :class:`lightning_grpc.errors.LightningError` on failure; the
+methods the contract marks safe to repeat are retried on UNAVAILABLE. The channel factory and error
+mapping the clients share (:mod:`.channel`, :mod:`.errors`) are implementation details, and so is
+:mod:`.local`, the in-process store the server hands the proxy.
+"""
 
 from __future__ import annotations
 
-from .channel import call_metadata, make_channel
 from .config import ClientConfig, RetryConfig, TlsConfig
-from .errors import from_rpc_error
 from .proxy import ProxyClient
 from .store import AddSpansResult, AttemptHeartbeat, StoreClient, WatchEvent
 from .sync import SyncStoreClient, SyncTrainerClient
@@ -25,7 +34,4 @@ __all__ = [
     "TrainerClient",
     "TrainingBatch",
     "WatchEvent",
-    "call_metadata",
-    "from_rpc_error",
-    "make_channel",
 ]

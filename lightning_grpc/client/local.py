@@ -12,28 +12,87 @@ from collections.abc import Iterable, Sequence
 
 from lightning_grpc import convert
 from lightning_grpc import types as t
+from lightning_grpc.convert.store import statistics_view
 from lightning_grpc.store import Store
 from lightning_grpc.types import AddSpansResult, AttemptHeartbeat
 from lightning_grpc.v1 import span_pb2
 
 
 class LocalStoreClient:
+    """The Store calls the proxy makes, answered by a Store in this process.
+
+    Raises the same :class:`lightning_grpc.errors.LightningError` subclasses as
+    :class:`~lightning_grpc.client.StoreClient`; nothing is retried, since there is no network.
+
+    Args:
+        store: The Store of the server this process hosts.
+    """
+
     def __init__(self, store: Store) -> None:
         self.store = store
 
     async def heartbeat_attempt(self, rollout_id: str, attempt_id: str) -> AttemptHeartbeat:
+        """Tell the store an attempt is alive; learn whether it should stop.
+
+        Args:
+            rollout_id: The rollout.
+            attempt_id: The attempt.
+
+        Returns:
+            The attempt, its rollout's status, and whether it was cancelled or should stop.
+
+        Raises:
+            NotFoundError: No such rollout or attempt.
+        """
         return await self.store.heartbeat_attempt(rollout_id, attempt_id)
 
     async def get_rollout(self, rollout_id: str) -> t.Rollout:
+        """One rollout, with its latest attempt.
+
+        Args:
+            rollout_id: The rollout.
+
+        Returns:
+            The rollout.
+
+        Raises:
+            NotFoundError: No such rollout.
+        """
         return await self.store.get_rollout(rollout_id)
 
     async def query_attempts(self, rollout_id: str, *, descending: bool = False) -> list[t.Attempt]:
+        """A rollout's attempts by sequence number (the first 1000).
+
+        Args:
+            rollout_id: The rollout.
+            descending: Latest first.
+
+        Returns:
+            The attempts.
+
+        Raises:
+            NotFoundError: No such rollout.
+        """
         page = await self.store.list_attempts(rollout_id, descending=descending, page_size=1000)
         return list(page.items)
 
     async def add_spans(
         self, spans: Iterable[t.Span | span_pb2.Span], *, rollout_id: str = "", attempt_id: str = ""
     ) -> AddSpansResult:
+        """Store spans in one commit.
+
+        Args:
+            spans: The spans (domain objects or ``lightning.v1.Span`` messages).
+            rollout_id: The rollout of spans that do not name one.
+            attempt_id: The attempt of spans that do not name one.
+
+        Returns:
+            Each span's sequence id, in order, and how many were stored or already there.
+
+        Raises:
+            NotFoundError: No such rollout or attempt.
+            InvalidArgumentError: A malformed span.
+        """
         bodies = [
             (s if isinstance(s, span_pb2.Span) else convert.span_to_pb(s)).SerializeToString() for s in spans
         ]
@@ -42,8 +101,29 @@ class LocalStoreClient:
     async def add_span_bytes(
         self, spans: Sequence[bytes], rollout_id: str = "", attempt_id: str = ""
     ) -> AddSpansResult:
-        """Store serialized ``lightning.v1.Span`` messages as they are (what the span shipper sends)."""
+        """Store serialized ``lightning.v1.Span`` messages as they are (what the span shipper sends).
+
+        Args:
+            spans: The serialized spans.
+            rollout_id: The rollout of spans that do not name one.
+            attempt_id: The attempt of spans that do not name one.
+
+        Returns:
+            Each span's sequence id, in order, and how many were stored or already there.
+
+        Raises:
+            NotFoundError: No such rollout or attempt.
+            InvalidArgumentError: A malformed span.
+        """
         return await self.store.add_spans(convert.span_records(spans), rollout_id, attempt_id)
+
+    async def statistics(self) -> t.Statistics:
+        """The store's counts, backend and sizes, with the keys :meth:`StoreClient.statistics` answers.
+
+        Returns:
+            The statistics (``rollouts_by_status`` keyed by lower-case status name).
+        """
+        return statistics_view(await self.store.statistics())
 
     async def close(self) -> None:
         """Nothing to close: the Store belongs to the server."""

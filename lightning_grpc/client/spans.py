@@ -99,6 +99,9 @@ class SpanBatch:
 
 @dataclass
 class ShipperStats:
+    """What a shipper did with the spans submitted to it, counted since it started."""
+
+    #: Spans submitted.
     submitted: int = 0
     #: Spans the Store acknowledged (stored, or already stored).
     acknowledged: int = 0
@@ -108,7 +111,9 @@ class ShipperStats:
     lost: int = 0
     #: Batches sent again after a transient error.
     retried: int = 0
+    #: Streams opened again after one broke.
     reconnects: int = 0
+    #: Why spans were given up, one line each (the latest few).
     rejections: list[str] = field(default_factory=list)
 
 
@@ -135,7 +140,9 @@ class SpanSink(Protocol):
 
     target: str
 
-    def session(self, batches: AsyncIterator[SpanBatch]) -> AsyncGenerator[Ack, None]: ...
+    def session(self, batches: AsyncIterator[SpanBatch]) -> AsyncGenerator[Ack, None]:
+        """Send ``batches``; yield (batch id, None when stored or the refusal) for each."""
+        ...
 
 
 class StreamSink:
@@ -158,6 +165,17 @@ class StreamSink:
         return cls(client.channel, call_metadata(client.config), client.config.target)
 
     async def session(self, batches: AsyncIterator[SpanBatch]) -> AsyncGenerator[Ack, None]:
+        """One ``AddSpansStream`` call: send ``batches``, yield the Store's acknowledgements.
+
+        Args:
+            batches: The batches to send, as they come.
+
+        Yields:
+            (batch id, None when stored or the typed refusal).
+
+        Raises:
+            LightningError: The stream broke (unavailable, deadline, refused token...).
+        """
         call = self._method(_payloads(batches), metadata=self._metadata)
         try:
             async for ack in call:
@@ -176,7 +194,11 @@ async def _payloads(batches: AsyncIterator[SpanBatch]) -> AsyncIterator[bytes]:
 
 
 class SpanWriter(Protocol):
-    async def add_span_bytes(self, spans: Sequence[bytes], rollout_id: str, attempt_id: str) -> Any: ...
+    """A client that stores serialized spans (such as :class:`~.local.LocalStoreClient`)."""
+
+    async def add_span_bytes(self, spans: Sequence[bytes], rollout_id: str, attempt_id: str) -> Any:
+        """Store serialized ``lightning.v1.Span`` messages of one attempt."""
+        ...
 
 
 class CallSink:
@@ -187,6 +209,14 @@ class CallSink:
         self.target = target
 
     async def session(self, batches: AsyncIterator[SpanBatch]) -> AsyncGenerator[Ack, None]:
+        """Store each batch with one call.
+
+        Args:
+            batches: The batches to store, as they come.
+
+        Yields:
+            (batch id, None when stored or the typed refusal).
+        """
         async for batch in batches:
             try:
                 await self.writer.add_span_bytes(batch.spans, batch.key[0], batch.key[1])
@@ -237,7 +267,7 @@ class SpanShipper:
         self.linger = linger
         self.max_in_flight = max_in_flight
         self.max_backoff = max_backoff
-        self.log = log or logs.get_logger("lightning_grpc.client")
+        self.log = log or logs.get_logger(__name__)
         self.name = name
         self.stats = ShipperStats()
         self._lock = threading.Lock()
@@ -573,7 +603,7 @@ class SpanStreamer:
         self.max_batch = max_batch
         self.linger = linger
         self.max_in_flight = max_in_flight
-        self._log = log or logs.get_logger("lightning_grpc.tracing")
+        self._log = log or logs.get_logger(__name__)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._failed: BaseException | None = None
@@ -586,6 +616,7 @@ class SpanStreamer:
 
     @property
     def stats(self) -> ShipperStats:
+        """The counts of the shipper running on this streamer's thread."""
         return self.shipper.stats
 
     # ---------------------------------------------------------------- public, any thread

@@ -17,6 +17,7 @@ from lightning_grpc import types as t
 from lightning_grpc.batching import BatchOptions, BatchRollout, GroupSample, Layout, RowInfo, TrainingEvent
 from lightning_grpc.batching.batches import row_infos
 from lightning_grpc.batching.core import GroupCounts, TrainerStatus
+from lightning_grpc.batching.options import Aggregation, FailurePolicy, PromptOverflow, RewardMatch
 from lightning_grpc.batching.tensors import (
     INDEX_ARRAYS,
     ROW_ARRAYS,
@@ -31,13 +32,15 @@ from lightning_grpc.v1 import trainer_service_pb2 as pb
 from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
 
 from .channel import call_metadata, make_channel
-from .config import ClientConfig
+from .config import ClientConfig, RetryConfig, TlsConfig
 from .errors import from_rpc_error
-from .store import _enum
+from .store import _DEFAULTS, _enum, client_config
 
 
 @dataclass
 class SubmittedGroup:
+    """A group submitted by :meth:`TrainerClient.submit_groups`: its id and its rollouts' ids."""
+
     group_id: str
     rollout_ids: list[str]
 
@@ -111,6 +114,48 @@ def _ids(values: Any) -> np.ndarray:
     return np.fromiter(values, dtype=np.int32, count=len(values))
 
 
+def _batch_options(
+    options: BatchOptions | None,
+    *,
+    aggregation: Aggregation | str | int | None,
+    reward_match: RewardMatch | str | int | None,
+    reward_dimension: str | None,
+    agent_match: str | None,
+    failure_policy: FailurePolicy | str | int | None,
+    fill_reward: float | None,
+    min_policy_version: int | None,
+    pad_token_id: int | None,
+    max_prompt_length: int | None,
+    max_response_length: int | None,
+    prompt_overflow: PromptOverflow | str | int | None,
+    layout: Layout | str | int | None,
+    max_chunk_bytes: int | None,
+    exclude_log_probs: bool | None,
+    include_calls_under_reward: bool | None,
+) -> BatchOptions:
+    """``options`` when given, else options from the values given (None: the option's default), checked."""
+    if options is not None:
+        return options
+    values: dict[str, object] = {
+        "aggregation": aggregation,
+        "reward_match": reward_match,
+        "reward_dimension": reward_dimension,
+        "agent_match": agent_match,
+        "failure_policy": failure_policy,
+        "fill_reward": fill_reward,
+        "min_policy_version": min_policy_version,
+        "pad_token_id": pad_token_id,
+        "max_prompt_length": max_prompt_length,
+        "max_response_length": max_response_length,
+        "prompt_overflow": prompt_overflow,
+        "layout": layout,
+        "max_chunk_bytes": max_chunk_bytes,
+        "exclude_log_probs": exclude_log_probs,
+        "include_calls_under_reward": include_calls_under_reward,
+    }
+    return BatchOptions.checked("options", **{name: v for name, v in values.items() if v is not None})
+
+
 def _triplet(m: pb.Triplet) -> Triplet:
     return Triplet(
         prompt_ids=_ids(m.prompt_ids),
@@ -129,15 +174,48 @@ def _triplet(m: pb.Triplet) -> Triplet:
 
 
 class TrainerClient:
-    """Async client of the TrainerService (same channel options, TLS and token as :class:`StoreClient`)."""
+    """Async client of the TrainerService (same channel options, TLS and token as :class:`StoreClient`).
 
-    def __init__(self, target: str | ClientConfig = "127.0.0.1:4747", **options: Any) -> None:
-        self.config = target if isinstance(target, ClientConfig) else ClientConfig(target=target, **options)
+    Create it inside the event loop that uses it. Every method raises a subclass of
+    :class:`lightning_grpc.errors.LightningError` on failure.
+
+    Args:
+        target: The server's address (``host:port``), or a whole :class:`ClientConfig` (then the
+            other arguments are ignored).
+        token: The bearer token sent with every call.
+        tls: TLS settings; None for a plaintext channel.
+        retry: The retry policy of the idempotent methods; None turns retries off.
+        timeout: The default deadline of a call, in seconds (long-polls add their wait on top).
+        gzip: Compress messages with gzip.
+        keepalive_seconds: The interval of the channel's keepalive pings.
+    """
+
+    def __init__(
+        self,
+        target: str | ClientConfig = _DEFAULTS.target,
+        *,
+        token: str | None = _DEFAULTS.token,
+        tls: TlsConfig | None = _DEFAULTS.tls,
+        retry: RetryConfig | None = _DEFAULTS.retry,
+        timeout: float = _DEFAULTS.timeout,
+        gzip: bool = _DEFAULTS.gzip,
+        keepalive_seconds: float = _DEFAULTS.keepalive_seconds,
+    ) -> None:
+        self.config = client_config(
+            target,
+            token=token,
+            tls=tls,
+            retry=retry,
+            timeout=timeout,
+            gzip=gzip,
+            keepalive_seconds=keepalive_seconds,
+        )
         self._channel = make_channel(self.config)
         self._stub = pb_grpc.TrainerServiceStub(self._channel)
         self._metadata = call_metadata(self.config)
 
     async def close(self) -> None:
+        """Close the channel; calls still in flight are cancelled."""
         await self._channel.close()
 
     async def __aenter__(self) -> TrainerClient:
@@ -148,6 +226,7 @@ class TrainerClient:
 
     @property
     def stub(self) -> pb_grpc.TrainerServiceStub:
+        """The raw generated stub, for anything this class does not wrap."""
         return self._stub
 
     async def _call(self, method: str, request: Any) -> Any:
@@ -169,9 +248,25 @@ class TrainerClient:
         config: t.RolloutConfig | None = None,
         step: int = 0,
     ) -> list[SubmittedGroup]:
-        """``group_size`` rollouts per sample (a task input, or a :class:`GroupSample`).
+        """Queue ``group_size`` rollouts per sample, one GRPO group per sample.
 
-        Group ids are chosen here when a sample has none, so a retried call creates nothing twice.
+        Retried on UNAVAILABLE: group ids are chosen here when a sample has none, so a retried call
+        creates nothing twice.
+
+        Args:
+            samples: Task inputs, or :class:`GroupSample` objects (input, group id, metadata).
+            group_size: The rollouts of each group.
+            mode: train, val or test (a :class:`RolloutMode` or its name).
+            resources_id: The resources set the rollouts run with.
+            config: Timeouts and retries of the rollouts' attempts.
+            step: The training step the groups are for.
+
+        Returns:
+            Each group's id and rollout ids, in the order of ``samples``.
+
+        Raises:
+            InvalidArgumentError: A refused sample, group size, mode or config.
+            NotFoundError: ``resources_id`` names no resources set.
         """
         request = pb.SubmitGroupsRequest(
             group_size=group_size,
@@ -200,16 +295,77 @@ class TrainerClient:
         mode: t.RolloutMode | str = "train",
         options: BatchOptions | None = None,
         request_id: str = "",
-        **option_values: Any,
+        aggregation: Aggregation | str | int | None = None,
+        reward_match: RewardMatch | str | int | None = None,
+        reward_dimension: str | None = None,
+        agent_match: str | None = None,
+        failure_policy: FailurePolicy | str | int | None = None,
+        fill_reward: float | None = None,
+        min_policy_version: int | None = None,
+        pad_token_id: int | None = None,
+        max_prompt_length: int | None = None,
+        max_response_length: int | None = None,
+        prompt_overflow: PromptOverflow | str | int | None = None,
+        layout: Layout | str | int | None = None,
+        max_chunk_bytes: int | None = None,
+        exclude_log_probs: bool | None = None,
+        include_calls_under_reward: bool | None = None,
     ) -> TrainingBatch:
         """A batch of whole groups: waits up to ``wait`` s for ``min_groups``, takes at most ``max_groups``.
 
-        Options are a :class:`BatchOptions` or its fields as keywords (``pad_token_id=...``,
-        ``failure_policy="drop_group"``, ``aggregation="trajectory"``, ...). A retry with the same
-        ``request_id`` returns the same groups.
+        The options are a :class:`BatchOptions`, or its fields as keywords (``pad_token_id=...``,
+        ``failure_policy="drop_group"``, ``aggregation="trajectory"``, ...; None: the field's default),
+        used only when ``options`` is None. Retried on UNAVAILABLE: a request id is sent along
+        (``request_id``, or one chosen here), and a retry with the same id returns the same groups.
+
+        Args:
+            min_groups: The fewest groups to wait for.
+            max_groups: The most groups to take (0: every ready one).
+            wait: How long to wait for ``min_groups``, in seconds.
+            mode: The mode of the groups (train, val or test).
+            options: All the batch options at once.
+            request_id: The id that makes a repeated request return the same batch.
+            aggregation: transition (a row per call) or trajectory (a row per rollout).
+            reward_match: Which reward span a call takes: final, first_occurrence or first_sibling.
+            reward_dimension: The reward dimension to train on ("": the main one).
+            agent_match: A regular expression of the agents whose calls are trained.
+            failure_policy: What a failed rollout does: drop_rollout, drop_group or fill.
+            fill_reward: The reward of failed rollouts under the fill policy.
+            min_policy_version: Drop calls made by an older policy.
+            pad_token_id: The token id of the padding.
+            max_prompt_length: Cut or drop longer prompts (0: no limit).
+            max_response_length: Cut longer responses (0: no limit).
+            prompt_overflow: What a long prompt does: drop or truncate_left.
+            layout: How the batch travels: ragged or padded.
+            max_chunk_bytes: The largest message of the stream.
+            exclude_log_probs: Leave the recorded log probabilities out.
+            include_calls_under_reward: Also train calls made under a reward span.
+
+        Returns:
+            The batch, its arrays padded as verl expects them.
+
+        Raises:
+            InvalidArgumentError: A refused option, group count or wait.
+            DeadlineExceededError: The call outlived its deadline.
         """
-        if options is None:
-            options = BatchOptions.checked(**option_values)
+        options = _batch_options(
+            options,
+            aggregation=aggregation,
+            reward_match=reward_match,
+            reward_dimension=reward_dimension,
+            agent_match=agent_match,
+            failure_policy=failure_policy,
+            fill_reward=fill_reward,
+            min_policy_version=min_policy_version,
+            pad_token_id=pad_token_id,
+            max_prompt_length=max_prompt_length,
+            max_response_length=max_response_length,
+            prompt_overflow=prompt_overflow,
+            layout=layout,
+            max_chunk_bytes=max_chunk_bytes,
+            exclude_log_probs=exclude_log_probs,
+            include_calls_under_reward=include_calls_under_reward,
+        )
         request = pb.GetBatchRequest(
             request_id=request_id or f"b-{uuid.uuid4().hex[:16]}",
             mode=int(_enum(t.RolloutMode, mode)),  # type: ignore[arg-type]
@@ -230,6 +386,23 @@ class TrainerClient:
     async def report_step(
         self, step: int, policy_version: int, metrics: Mapping[str, float] | None = None, *, run_id: str = ""
     ) -> TrainingEvent:
+        """Report a finished training step and the policy version it produced.
+
+        Retried on UNAVAILABLE: a step reported again with the same content is answered with the
+        stored event (with other content it is recorded anew: a run resumed from a checkpoint).
+
+        Args:
+            step: The step number.
+            policy_version: The policy version after the step.
+            metrics: The step's metrics by name.
+            run_id: The training run ("": the default run).
+
+        Returns:
+            The stored event.
+
+        Raises:
+            InvalidArgumentError: A refused step, version or metric.
+        """
         request = pb.ReportStepRequest(run_id=run_id, step=step, policy_version=policy_version)
         request.metrics.update({k: float(v) for k, v in (metrics or {}).items()})
         resp = await self._call("ReportStep", request)
@@ -238,7 +411,21 @@ class TrainerClient:
     async def watch_training(
         self, run_id: str = "", *, after_sequence: int = 0, follow: bool = False
     ) -> AsyncIterator[TrainingEvent]:
-        """Reported steps after ``after_sequence``; with ``follow``, new ones as they are reported."""
+        """Reported steps after ``after_sequence``; with ``follow``, new ones as they are reported.
+
+        Not retried (a stream): on UNAVAILABLE call again with the last event's sequence.
+
+        Args:
+            run_id: The training run ("": the default run).
+            after_sequence: Start after the event of this sequence number.
+            follow: Keep the stream open for new events (no deadline).
+
+        Yields:
+            The training events, in order.
+
+        Raises:
+            InvalidArgumentError: A refused sequence number.
+        """
         request = pb.WatchTrainingRequest(run_id=run_id, after_sequence=after_sequence, follow=follow)
         try:
             call = self._stub.WatchTraining(
@@ -250,6 +437,11 @@ class TrainerClient:
             raise from_rpc_error(exc) from None
 
     async def status(self) -> TrainerStatus:
+        """The trainer's groups by mode, drops, batches and policy version. Retried on UNAVAILABLE.
+
+        Returns:
+            The trainer's status.
+        """
         resp = await self._call("GetTrainerStatus", pb.GetTrainerStatusRequest())
         return TrainerStatus(
             groups=[
@@ -266,11 +458,77 @@ class TrainerClient:
         )
 
     async def triplets(
-        self, rollout_id: str, options: BatchOptions | None = None, **option_values: Any
+        self,
+        rollout_id: str,
+        options: BatchOptions | None = None,
+        *,
+        aggregation: Aggregation | str | int | None = None,
+        reward_match: RewardMatch | str | int | None = None,
+        reward_dimension: str | None = None,
+        agent_match: str | None = None,
+        failure_policy: FailurePolicy | str | int | None = None,
+        fill_reward: float | None = None,
+        min_policy_version: int | None = None,
+        pad_token_id: int | None = None,
+        max_prompt_length: int | None = None,
+        max_response_length: int | None = None,
+        prompt_overflow: PromptOverflow | str | int | None = None,
+        layout: Layout | str | int | None = None,
+        max_chunk_bytes: int | None = None,
+        exclude_log_probs: bool | None = None,
+        include_calls_under_reward: bool | None = None,
     ) -> RolloutTripletReport:
-        """The triplets of a rollout's latest attempt, its rows, and the reasons for anything not trained."""
+        """The triplets of a rollout's latest attempt, its rows, and the reasons for anything not trained.
+
+        The options are those of :meth:`get_batch` (a :class:`BatchOptions`, or its fields as keywords,
+        used only when ``options`` is None). Retried on UNAVAILABLE.
+
+        Args:
+            rollout_id: The rollout.
+            options: All the batch options at once.
+            aggregation: transition (a row per call) or trajectory (a row per rollout).
+            reward_match: Which reward span a call takes: final, first_occurrence or first_sibling.
+            reward_dimension: The reward dimension to train on ("": the main one).
+            agent_match: A regular expression of the agents whose calls are trained.
+            failure_policy: What a failed rollout does: drop_rollout, drop_group or fill.
+            fill_reward: The reward of failed rollouts under the fill policy.
+            min_policy_version: Drop calls made by an older policy.
+            pad_token_id: The token id of the padding.
+            max_prompt_length: Cut or drop longer prompts (0: no limit).
+            max_response_length: Cut longer responses (0: no limit).
+            prompt_overflow: What a long prompt does: drop or truncate_left.
+            layout: How a batch travels: ragged or padded.
+            max_chunk_bytes: The largest message of a batch stream.
+            exclude_log_probs: Leave the recorded log probabilities out.
+            include_calls_under_reward: Also train calls made under a reward span.
+
+        Returns:
+            The report: triplets, rows and drops with their reasons.
+
+        Raises:
+            NotFoundError: No such rollout.
+            InvalidArgumentError: A refused option.
+        """
         request = pb.GetTripletsRequest(rollout_id=rollout_id)
-        convert.batch_options_to_pb(options or BatchOptions.checked(**option_values), request.options)
+        chosen = _batch_options(
+            options,
+            aggregation=aggregation,
+            reward_match=reward_match,
+            reward_dimension=reward_dimension,
+            agent_match=agent_match,
+            failure_policy=failure_policy,
+            fill_reward=fill_reward,
+            min_policy_version=min_policy_version,
+            pad_token_id=pad_token_id,
+            max_prompt_length=max_prompt_length,
+            max_response_length=max_response_length,
+            prompt_overflow=prompt_overflow,
+            layout=layout,
+            max_chunk_bytes=max_chunk_bytes,
+            exclude_log_probs=exclude_log_probs,
+            include_calls_under_reward=include_calls_under_reward,
+        )
+        convert.batch_options_to_pb(chosen, request.options)
         resp = await self._call("GetTriplets", request)
         rows = [
             {
@@ -320,6 +578,14 @@ class BatchAssembler:
         self._padded_rows = 0
 
     def add(self, message: pb.GetBatchResponse) -> None:
+        """Take the next message of the stream (the header first).
+
+        Args:
+            message: The message.
+
+        Raises:
+            ValueError: The stream does not start with its header.
+        """
         if not self.messages and not message.HasField("header"):
             raise ValueError("a batch stream starts with its header")
         self.messages.append(message)
@@ -328,7 +594,7 @@ class BatchAssembler:
             name: convert.tensor_from_pb(tensor, f"tensors[{name!r}]")
             for name, tensor in message.tensors.items()
         }
-        if header.layout == Layout.PADDED:
+        if header.layout == pb.BATCH_LAYOUT_PADDED:
             self._chunks.append(chunk)
             return
         part = Ragged.from_arrays(chunk)
@@ -346,6 +612,14 @@ class BatchAssembler:
         self._padded_rows += part.rows
 
     def finish(self) -> TrainingBatch:
+        """The batch, once every message of the stream is in.
+
+        Returns:
+            The batch.
+
+        Raises:
+            ValueError: No header, or fewer chunks than the header announced.
+        """
         messages = self.messages
         if not messages:
             raise ValueError("a batch stream starts with its header")
@@ -353,7 +627,7 @@ class BatchAssembler:
         if len(messages) != header.chunk_count:
             raise ValueError(f"the batch stream ended after {len(messages)} of {header.chunk_count} chunks")
         ragged = None
-        if header.layout == Layout.PADDED:
+        if header.layout == pb.BATCH_LAYOUT_PADDED:
             arrays = {name: np.concatenate([c[name] for c in self._chunks]) for name in self._chunks[0]}
             for name in INDEX_ARRAYS:
                 arrays[name] = arrays[name].astype(np.int64)

@@ -246,3 +246,57 @@ def resources_update_from_pb(m: resource_pb2.ResourcesUpdate) -> t.ResourcesUpda
         create_time=ts_to_float(m.create_time),
         update_time=ts_to_float(m.update_time),
     )
+
+
+# ------------------------------------------------------------------ statistics
+
+#: The prefix of the rollout status names that key ``GetStatisticsResponse.rollouts_by_status``.
+_STATUS_PREFIX = "ROLLOUT_STATUS_"
+
+
+def statistics_to_pb(
+    s: t.Statistics, out: store_service_pb2.GetStatisticsResponse | None = None
+) -> store_service_pb2.GetStatisticsResponse:
+    """The store's statistics as the wire message (status counts keyed ``ROLLOUT_STATUS_<NAME>``)."""
+    m = out if out is not None else store_service_pb2.GetStatisticsResponse()
+    for name, count in s.rollouts_by_status.items():
+        m.rollouts_by_status[_STATUS_PREFIX + name.removeprefix(_STATUS_PREFIX).upper()] = count
+    m.total_rollouts = s.total_rollouts
+    m.total_attempts = s.total_attempts
+    m.total_spans = s.total_spans
+    m.total_resources = s.total_resources
+    m.total_workers = s.total_workers
+    float_to_duration(s.uptime, m.uptime)
+    m.backend = s.backend
+    m.memory_bytes = s.memory_bytes
+    m.storage_bytes = s.storage_bytes
+    m.queue_length = s.queue_length
+    return m
+
+
+def statistics_from_pb(m: store_service_pb2.GetStatisticsResponse) -> t.Statistics:
+    """The statistics clients return: status counts keyed by lower-case status name ("queuing")."""
+    return t.Statistics(
+        rollouts_by_status={
+            k.removeprefix(_STATUS_PREFIX).lower(): v for k, v in sorted(m.rollouts_by_status.items())
+        },
+        total_rollouts=m.total_rollouts,
+        total_attempts=m.total_attempts,
+        total_spans=m.total_spans,
+        total_resources=m.total_resources,
+        total_workers=m.total_workers,
+        uptime=duration_to_float(m.uptime) or 0.0,
+        backend=m.backend,
+        memory_bytes=m.memory_bytes,
+        storage_bytes=m.storage_bytes,
+        queue_length=m.queue_length,
+    )
+
+
+def statistics_view(s: t.Statistics) -> t.Statistics:
+    """Statistics read from a Store in this process, in the form a remote client returns them.
+
+    Passes them through the wire conversion, so a local and a remote store answer the same keys
+    (and the uptime at the wire's precision).
+    """
+    return statistics_from_pb(statistics_to_pb(s))

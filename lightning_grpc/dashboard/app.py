@@ -15,8 +15,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yarl
-from aiohttp import web
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("dashboard"):
+    import yarl
+    from aiohttp import web
 
 from lightning_grpc import logs
 from lightning_grpc.client.channel import make_channel
@@ -25,7 +28,7 @@ from lightning_grpc.server.app import RunningServer
 
 from .connect import MAX_REQUEST_BYTES, SERVICES, ConnectGateway
 
-log = logs.get_logger("lightning_grpc.dashboard")
+log = logs.get_logger(__name__)
 
 #: The dashboard's port unless told otherwise: next to the Store's 4747 and the proxy's 4748 and 4749.
 DEFAULT_PORT = 4750

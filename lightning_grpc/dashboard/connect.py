@@ -37,18 +37,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from aiohttp import web
 from google.protobuf import any_pb2, descriptor, descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("dashboard"):
+    from aiohttp import web
 
 from lightning_grpc import logs
 from lightning_grpc.errors import ERROR_DOMAIN, Reason
 from lightning_grpc.logs import clip
 from lightning_grpc.v1 import proxy_service_pb2, store_service_pb2, trainer_service_pb2
 
-log = logs.get_logger("lightning_grpc.dashboard")
+log = logs.get_logger(__name__)
 
 #: The services the gateway can translate, when the server hosts them.
 SERVICES: tuple[descriptor.ServiceDescriptor, ...] = tuple(

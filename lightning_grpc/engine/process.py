@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from lightning_grpc import environment
 from lightning_grpc.processes import CLI
 
 READY_EVENT = "event=engine_started"
@@ -51,7 +52,7 @@ class EngineProcess:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             **(env or {}),
-            "LIGHTNING_GRPC_ENGINE_ADMIN_KEY": self.admin_key,
+            environment.ENGINE_ADMIN_KEY: self.admin_key,
         }
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []

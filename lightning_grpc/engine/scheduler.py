@@ -41,14 +41,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from transformers import DynamicCache
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("engine"):
+    import torch
+    from transformers import DynamicCache
 
 from lightning_grpc import logs
 from lightning_grpc.engine.protocol import SamplingParams
 from lightning_grpc.engine.text import OutputText
 
-log = logs.get_logger("lightning_grpc.engine")
+log = logs.get_logger(__name__)
 
 SEED_MIX = 0x9E3779B97F4A7C15
 

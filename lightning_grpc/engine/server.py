@@ -39,7 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("engine"):
+    from aiohttp import web
 
 from lightning_grpc import logs
 from lightning_grpc.engine import protocol as p
@@ -47,7 +50,7 @@ from lightning_grpc.engine.protocol import EngineError, bad_request
 from lightning_grpc.engine.scheduler import Scheduler, SequenceUpdate, StepEvent, Submission, TokenLogprob
 from lightning_grpc.engine.text import TokenTexts
 
-log = logs.get_logger("lightning_grpc.engine")
+log = logs.get_logger(__name__)
 
 MIN_LOGPROB = -9999.0
 #: Below this many parameters a forward pass is per-op overhead: the scheduler thread runs torch

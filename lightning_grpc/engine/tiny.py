@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_grpc import logs
+from lightning_grpc._extras import extra_imports
 
-log = logs.get_logger("lightning_grpc.engine")
+log = logs.get_logger(__name__)
 
 ARCHITECTURES = ("qwen2", "llama")
 ENDOFTEXT, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -123,7 +124,8 @@ def save_tiny_model(path: Path, spec: TinyModelSpec) -> Path:
         raise ValueError(f"unknown architecture {spec.arch!r}: choose one of {', '.join(ARCHITECTURES)}")
     if spec.vocab_size < 300:
         raise ValueError("vocab_size must be at least 300 (256 bytes, the special tokens, some merges)")
-    from transformers.utils import logging as hf_logging
+    with extra_imports("engine"):
+        from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     started = time.monotonic()

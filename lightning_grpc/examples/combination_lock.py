@@ -14,7 +14,7 @@ and "second digit" with 7, whatever the lock is called::
     user       Wrong. Enter the second digit.
     assistant  7                                   -> opens: reward 1.0
 
-Why this design (``/work/shared/reference/trainer-notes.md``, "Toy tasks"): with GRPO and a random tiny
+Why this design (the demo is described in ``docs/training.md``): with GRPO and a random tiny
 model, a choice that depends on the last message, or a plain preference, is learned within minutes;
 recalling or echoing a digit given in the conversation is not. Here the right digit depends only on the
 last message ("first" or "second"), and a right press counts as soon as it is made.
@@ -352,7 +352,7 @@ async def agent(task: Mapping[str, Any], llm: LLM, rollout: Rollout | None = Non
         extra: dict[str, Any] = {"seed": call_seed(rollout_id, episode.turn)} if rollout_id else {}
         response = await client.chat.completions.create(
             model=llm.model,
-            messages=episode.messages,  # type: ignore[arg-type]
+            messages=episode.messages,
             temperature=params["temperature"],
             top_p=params["top_p"],
             max_tokens=params["max_tokens"],

@@ -1,6 +1,6 @@
 """Prompt search over a real store, with the runner and algorithm pieces of lightning-grpc.
 
-    python -m lightning_grpc.examples.prompt_search_demo        (what ``make demo`` runs)
+    python -m lightning_grpc.examples.prompt_search_demo        (the whole example in one command)
 
 1. The store server starts as a subprocess (``lightning-grpc serve``) on a free port, with a SQLite
    file in a temporary directory.
@@ -11,7 +11,7 @@
    compares the candidates' mean rewards; a rollout without a reward counts as failed, never as 0.
 4. The runners and the server are stopped with SIGTERM; both must exit 0.
 
-This module is the one home of the example's pieces, so that ``make demo`` runs from an installed
+This module is the one home of the example's pieces, so that the command above runs from an installed
 package: the tasks and candidates, the agent and its scoring, the search and its report.
 ``examples/prompt_search/`` (in a source checkout) runs the same pieces by hand, against a store and
 runners started from the command line.

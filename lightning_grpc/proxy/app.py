@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from aiohttp import web
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("proxy"):
+    from aiohttp import web
 
 from lightning_grpc import logs
 from lightning_grpc.client import ClientConfig
@@ -11,7 +14,7 @@ from lightning_grpc.client.local import LocalStoreClient
 from .core import ProxyCore
 from .http import build_app
 
-log = logs.get_logger("lightning_grpc.proxy")
+log = logs.get_logger(__name__)
 
 
 class LLMProxy(ProxyCore):

@@ -15,7 +15,7 @@ from lightning_grpc.client.local import LocalStoreClient
 from lightning_grpc.errors import LightningError, NotFoundError, UnavailableError
 from lightning_grpc.types import RolloutMode
 
-log = logs.get_logger("lightning_grpc.proxy")
+log = logs.get_logger(__name__)
 
 
 class Refused(Exception):

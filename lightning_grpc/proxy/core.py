@@ -24,7 +24,7 @@ from .litellm_client import LiteLLMClient
 from .recorder import SpanRecorder
 from .upstream import DirectClient, RetryPolicy
 
-log = logs.get_logger("lightning_grpc.proxy")
+log = logs.get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,13 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("proxy"):
+    from aiohttp import web
 
 from lightning_grpc import logs, semconv
 from lightning_grpc.access import PROXY_ROUTES, Principal, Role
@@ -42,7 +46,7 @@ from .core import ProxyCore
 from .spans import CallRecord, llm_call_span, trace_context
 from .upstream import BackendUnreachable, UpstreamCall
 
-log = logs.get_logger("lightning_grpc.proxy")
+log = logs.get_logger(__name__)
 
 #: Error messages to agents echo what they sent (a model name, ids) at most this long.
 MAX_MESSAGE_CHARS = 1000
@@ -66,7 +70,9 @@ def error_response(
 
 
 @web.middleware
-async def check_access(request: web.Request, handler: Any) -> web.StreamResponse:
+async def check_access(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """Refuse a request whose credential its route does not take (see :data:`PROXY_ROUTES`)."""
     proxy = request.app[PROXY_KEY]
     credentials = proxy.credentials

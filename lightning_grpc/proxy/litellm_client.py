@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from types import ModuleType
 from typing import Any
 
+from lightning_grpc._extras import import_extra
+
 from . import sse
 from .backends import Backend
 from .upstream import BackendUnreachable, UpstreamCall
@@ -46,8 +48,7 @@ def load_litellm() -> ModuleType:
     global _litellm
     if _litellm is None:
         os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
-        import litellm
-
+        litellm = import_extra("litellm", "proxy")
         litellm.disable_hf_tokenizer_download = True
         litellm.disable_token_counter = True
         litellm.disable_streaming_logging = True
@@ -101,7 +102,7 @@ def _error_call(exc: Exception) -> UpstreamCall:
 
 def _dump(obj: Any) -> dict[str, Any]:
     dumped = obj.model_dump(exclude_none=True) if hasattr(obj, "model_dump") else dict(obj)
-    return dumped  # type: ignore[no-any-return]
+    return dumped
 
 
 async def _events(stream: Any) -> AsyncIterator[sse.Event]:

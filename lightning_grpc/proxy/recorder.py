@@ -25,7 +25,7 @@ from lightning_grpc.client.spans import SpanShipper, sink_for
 from lightning_grpc.errors import LightningError, ResourceExhaustedError
 from lightning_grpc.types import Span
 
-log = logs.get_logger("lightning_grpc.proxy")
+log = logs.get_logger(__name__)
 
 _ELIDED = "(left out: the span was larger than the Store accepts)"
 

@@ -23,14 +23,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("proxy"):
+    import aiohttp
 
 from lightning_grpc import logs
 
 from . import sse
 from .backends import Backend
 
-log = logs.get_logger("lightning_grpc.proxy")
+log = logs.get_logger(__name__)
 
 #: Statuses worth another try before anything reached the agent.
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -89,7 +92,7 @@ class RetryPolicy:
                 return min(float(retry_after), self.max_backoff)
             except ValueError:
                 pass
-        base = min(self.initial_backoff * 2**attempt, self.max_backoff)
+        base: float = min(self.initial_backoff * 2**attempt, self.max_backoff)
         return base * random.uniform(0.75, 1.25)
 
 

@@ -13,14 +13,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_grpc import logs
+from lightning_grpc import environment, logs
+from lightning_grpc._extras import import_extra
 from lightning_grpc.access import Credentials, credential_claims
 from lightning_grpc.errors import LightningError
 
 from .agent import LitAgent, rollout
 from .runner import Runner, default_worker_id, run_forever
 
-log = logs.get_logger("lightning_grpc.runner")
+log = logs.get_logger(__name__)
 
 
 def load_agent(ref: str) -> LitAgent:
@@ -91,7 +92,7 @@ def _process_main(spec: RunnerSpec) -> None:
     stopped = threading.Event()  # a SIGTERM that arrives while this process is still starting
     signal.signal(signal.SIGTERM, lambda _s, _f: stopped.set())
     signal.signal(signal.SIGINT, lambda _s, _f: stopped.set())
-    logs.configure_logging(os.environ.get("LIGHTNING_GRPC_LOG_LEVEL", "INFO"))
+    logs.configure_logging(os.environ.get(environment.LOG_LEVEL, "INFO"))
     runner = spec.build()
     if not stopped.is_set():
         try:
@@ -141,8 +142,7 @@ class RayFleet:
     def __init__(
         self, spec: RunnerSpec, actors: int, *, address: str | None = None, num_cpus: float = 0.5
     ) -> None:
-        import ray
-
+        ray = import_extra("ray", "ray")
         self.ray = ray
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:

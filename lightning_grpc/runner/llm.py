@@ -20,6 +20,7 @@ import asyncio
 import weakref
 from typing import Any
 
+from lightning_grpc._extras import import_extra
 from lightning_grpc.types import LLM
 
 _POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
@@ -27,7 +28,7 @@ _POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.Weak
 
 def shared_http_client() -> Any:
     """The OpenAI SDK's aiohttp-based client of the running event loop (made on first use, then kept)."""
-    import openai
+    openai = import_extra("openai", "openai")
 
     loop = asyncio.get_running_loop()
     pool = _POOLS.get(loop)
@@ -49,8 +50,7 @@ def openai_client(llm: LLM, *, max_retries: int = 6, **options: Any) -> Any:
     ``max_retries`` defaults to 6 so that calls refused while the proxy is paused for a weight update
     (HTTP 429 with Retry-After) are retried. Do not close the client: the pool outlives the rollout.
     """
-    import openai
-
+    openai = import_extra("openai", "openai")
     return openai.AsyncOpenAI(
         base_url=llm.endpoint,
         api_key=llm.api_key or "unused",

@@ -40,7 +40,7 @@ from .agent import rollout as make_agent
 from .llm import close_shared_http_client
 from .stats import system_snapshot
 
-log = logs.get_logger("lightning_grpc.runner")
+log = logs.get_logger(__name__)
 
 
 def _worker_of(token: str | None) -> str:

@@ -29,7 +29,7 @@ from .otlp import TRACE_SERVICE, TraceServicer, add_otlp_service
 from .store_servicer import StoreServicer, add_store_service, check_duration
 from .trainer_servicer import TRAINER_SERVICE, TrainerServicer, add_trainer_service, span_reader
 
-log = logs.get_logger("lightning_grpc.server")
+log = logs.get_logger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 STORE_SERVICE = store_service_pb2.DESCRIPTOR.services_by_name["StoreService"].full_name

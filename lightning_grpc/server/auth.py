@@ -167,7 +167,7 @@ _ACTIVE_PB = (1, 2)  # ATTEMPT_STATUS_PREPARING, ATTEMPT_STATUS_RUNNING
 def _rollouts_in(response: Any, field: str) -> Iterable[Any]:
     """The rollouts a response holds in ``field`` (one, or a repeated field)."""
     held = getattr(response, field)
-    return held if response.DESCRIPTOR.fields_by_name[field].is_repeated else (held,)  # type: ignore[no-any-return]
+    return held if response.DESCRIPTOR.fields_by_name[field].is_repeated else (held,)
 
 
 def redact_secrets(response: Any) -> None:
@@ -212,7 +212,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _as_caller(handler, call) if handler is not None else None
 
 
-def _as_caller(handler: grpc.RpcMethodHandler, call: Call) -> grpc.RpcMethodHandler:
+def _as_caller(handler: grpc.RpcMethodHandler[Any, Any], call: Call) -> grpc.RpcMethodHandler[Any, Any]:
     """The handler, run with :data:`CALLER` set to ``call`` inside the handler itself."""
     kw = {
         "request_deserializer": handler.request_deserializer,
@@ -221,7 +221,7 @@ def _as_caller(handler: grpc.RpcMethodHandler, call: Call) -> grpc.RpcMethodHand
     if handler.unary_unary or handler.stream_unary:
         behaviour: Any = handler.unary_unary or handler.stream_unary
 
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             CALLER.set(call)
             return await behaviour(request, context)
 
@@ -233,7 +233,7 @@ def _as_caller(handler: grpc.RpcMethodHandler, call: Call) -> grpc.RpcMethodHand
         return make(unary, **kw)
     streaming: Any = handler.unary_stream or handler.stream_stream
 
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         CALLER.set(call)
         async for message in streaming(request, context):
             yield message
@@ -246,13 +246,15 @@ def _as_caller(handler: grpc.RpcMethodHandler, call: Call) -> grpc.RpcMethodHand
     return make(stream, **kw)
 
 
-def _refusing(handler: grpc.RpcMethodHandler | None, error: LightningError) -> grpc.RpcMethodHandler:
+def _refusing(
+    handler: grpc.RpcMethodHandler[Any, Any] | None, error: LightningError
+) -> grpc.RpcMethodHandler[Any, Any]:
     status = status_for(error)
 
-    async def refuse_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def refuse_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort_with_status(status)
 
-    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort_with_status(status)
         yield  # pragma: no cover
 

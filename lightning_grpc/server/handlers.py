@@ -27,7 +27,7 @@ from lightning_grpc.errors import (
 from . import caller
 from .status import abort
 
-log = logs.get_logger("lightning_grpc.server")
+log = logs.get_logger(__name__)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -131,12 +131,12 @@ def _authorized(request: Any) -> Any:
 
 
 def unary(
-    fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]:
     """Wrap a unary (or client-streaming) handler."""
 
     @functools.wraps(fn)
-    async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+    async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
         self.in_flight = getattr(self, "in_flight", 0) + 1
         try:
             _refuse_if_draining(self)
@@ -159,12 +159,14 @@ def unary(
 
 
 def streaming(
-    fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]],
-) -> Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]:
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Resp]]:
     """Wrap a server-streaming (or bidirectional) handler written as an async generator."""
 
     @functools.wraps(fn)
-    async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
+    async def handler(
+        self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Resp]:
         self.in_flight = getattr(self, "in_flight", 0) + 1
         try:
             _refuse_if_draining(self)
@@ -216,7 +218,9 @@ def guarded(fn: Callable[..., Any], client_streaming: bool) -> Callable[..., Any
 
     if inspect.isasyncgenfunction(fn):
 
-        async def stream_handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream_handler(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
             try:
                 async for item in fn(checked(request), context):
                     yield item
@@ -225,7 +229,7 @@ def guarded(fn: Callable[..., Any], client_streaming: bool) -> Callable[..., Any
 
         return stream_handler
 
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def handler(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             return await fn(checked(request), context)
         except LightningError as exc:

@@ -44,9 +44,9 @@ from lightning_grpc.v1 import common_pb2, span_pb2
 from . import caller
 from .handlers import ServicerState, Undecodable, unary
 
-log = logs.get_logger("lightning_grpc.server")
+log = logs.get_logger(__name__)
 
-Ctx = grpc.aio.ServicerContext
+Ctx = grpc.aio.ServicerContext[Any, Any]
 TRACE_SERVICE = otlp_service.DESCRIPTOR.services_by_name["TraceService"].full_name
 
 #: Requests larger than this (serialized) are converted in a worker thread.
@@ -291,7 +291,7 @@ def add_otlp_service(servicer: TraceServicer, server: grpc.aio.Server) -> None:
 
     An undecodable request then answers INVALID_ARGUMENT rather than gRPC's UNKNOWN.
     """
-    handlers: dict[str, grpc.RpcMethodHandler] = {
+    handlers: dict[str, grpc.RpcMethodHandler[Any, otlp_service.ExportTraceServiceResponse]] = {
         "Export": grpc.unary_unary_rpc_method_handler(
             servicer.Export,
             request_deserializer=None,

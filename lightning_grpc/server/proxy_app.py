@@ -23,7 +23,7 @@ from .app import RunningServer, ServerConfig, add_health_and_reflection, listen,
 from .auth import interceptors_for
 from .proxy_servicer import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
-log = logs.get_logger("lightning_grpc.proxy")
+log = logs.get_logger(__name__)
 
 
 @dataclass

@@ -3,6 +3,8 @@ and call the proxy. Nothing else."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from lightning_grpc import convert
@@ -15,7 +17,7 @@ from .app import ServiceHook
 from .handlers import ServicerState, register_service, unary
 
 PROXY_SERVICE = pb.DESCRIPTOR.services_by_name["ProxyService"].full_name
-Ctx = grpc.aio.ServicerContext
+Ctx = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_DRAIN_TIMEOUT = 60.0
 
 

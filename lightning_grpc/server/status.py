@@ -3,6 +3,8 @@ and one ``google.rpc.ErrorInfo`` (reason, domain, metadata), which the client re
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
@@ -26,5 +28,5 @@ def status_for(error: LightningError) -> grpc.Status:
     return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
 
 
-async def abort(context: grpc.aio.ServicerContext, error: LightningError) -> None:
+async def abort(context: grpc.aio.ServicerContext[Any, Any], error: LightningError) -> None:
     await context.abort_with_status(status_for(error))

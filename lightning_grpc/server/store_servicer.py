@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from lightning_grpc import convert
+from lightning_grpc.convert.store import statistics_to_pb
 from lightning_grpc.errors import InvalidArgumentError, LightningError, UnavailableError
 from lightning_grpc.store import DequeueRequest, SpanRecord, SpanSelection, Store
 from lightning_grpc.v1 import common_pb2
@@ -18,7 +19,7 @@ from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 from . import caller, wire
 from .handlers import ServicerState, Undecodable, register_service, streaming, unary
 
-Ctx = grpc.aio.ServicerContext
+Ctx = grpc.aio.ServicerContext[Any, Any]
 
 #: The largest google.protobuf.Duration (about 10,000 years): a longer timeout could not be sent back.
 MAX_DURATION_SECONDS = 315_576_000_000.999_999_999
@@ -436,21 +437,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     # ------------------------------------------------------------ statistics and housekeeping
     @unary
     async def GetStatistics(self, request: pb.GetStatisticsRequest, context: Ctx) -> pb.GetStatisticsResponse:
-        stats = await self.store.statistics()
-        resp = pb.GetStatisticsResponse(
-            rollouts_by_status={f"ROLLOUT_STATUS_{k}": v for k, v in stats.rollouts_by_status.items()},
-            total_rollouts=stats.total_rollouts,
-            total_attempts=stats.total_attempts,
-            total_spans=stats.total_spans,
-            total_resources=stats.total_resources,
-            total_workers=stats.total_workers,
-            backend=stats.backend,
-            memory_bytes=stats.memory_bytes,
-            storage_bytes=stats.storage_bytes,
-            queue_length=stats.queue_length,
-        )
-        convert.float_to_duration(stats.uptime, resp.uptime)
-        return resp
+        return statistics_to_pb(await self.store.statistics())
 
     @unary
     async def DeleteRollouts(

@@ -20,7 +20,7 @@ from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
 
 from .handlers import ServicerState, register_service, streaming, unary
 
-Ctx = grpc.aio.ServicerContext
+Ctx = grpc.aio.ServicerContext[Any, Any]
 TRAINER_SERVICE = pb.DESCRIPTOR.services_by_name["TrainerService"].full_name
 
 
@@ -91,7 +91,7 @@ def batch_messages(
             rollout_id=r.rollout_id,
             attempt_id=r.attempt_id,
             group_id=r.group_id,
-            status=int(r.status),  # type: ignore[arg-type]
+            status=int(r.status),
             reward=r.reward,
             filled=r.filled,
             row_count=r.row_count,
@@ -200,7 +200,7 @@ class TrainerServicer(ServicerState, pb_grpc.TrainerServiceServicer):
         )
         for c in status.groups:
             resp.groups.add(
-                mode=int(c.mode),  # type: ignore[arg-type]
+                mode=int(c.mode),
                 pending=c.pending,
                 ready=c.ready,
                 carried_over=c.carried_over,

@@ -37,7 +37,7 @@ from . import rows
 from .backend import SpanQuery
 from .state import Change, LoadedState, SpanRecord, Txn
 
-log = logs.get_logger("lightning_grpc.store.sqlite")
+log = logs.get_logger(__name__)
 
 migrations = Migrations("lightning_grpc.store")
 INT64_MAX = 2**63 - 1

@@ -11,7 +11,7 @@ import inspect
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
@@ -125,6 +125,16 @@ def _operation_span(name: str, attributes: Mapping[str, Any]) -> Iterator[Operat
         op = Operation(span)
         yield op
         span.set_status(Status(StatusCode.OK))
+
+
+@overload
+def operation(fn: F, *, name: str | None = None, **attributes: Any) -> F: ...
+
+
+@overload
+def operation(
+    fn: str | None = None, *, name: str | None = None, **attributes: Any
+) -> _ContextOrDecorator: ...
 
 
 def operation(

@@ -20,7 +20,7 @@ from lightning_grpc.convert.spans import otel_span_to_pb
 
 from .context import current_attempt
 
-log = logs.get_logger("lightning_grpc.tracing")
+log = logs.get_logger(__name__)
 
 #: The SDK span conversion, under the name this package gave it.
 span_to_message = otel_span_to_pb

@@ -46,8 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("train"):
+    import numpy as np
+    import torch
 
 from . import ppo
 from .learner import (
@@ -159,7 +162,7 @@ class RankLearner(Learner):
     def save_checkpoint(self, path: str | Path, extra: Mapping[str, Any] | None = None) -> Path:
         """The full weights and tokenizer (rank 0), every rank's shards of the model, optimiser (and
         reference), and each rank's step, random states and ``extra``."""
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         path = Path(path)
         if self.rank == 0:
@@ -169,7 +172,7 @@ class RankLearner(Learner):
         if self.rank == 0:
             copy_tokenizer(Path(self.model_path), path)
             self._write_config(path)
-        dcp.save(sharded_state(self), checkpoint_id=str(path / SHARDED_DIR))
+        dcp_save(sharded_state(self), checkpoint_id=str(path / SHARDED_DIR))
         torch.save(
             {"step": self.step, "rng": random_states(), "extra": dict(extra or {}), "ranks": self.world},
             path / RANK_STATE.format(rank=self.rank),

@@ -42,16 +42,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import aiohttp
+from lightning_grpc._extras import extra_imports
 
-from lightning_grpc import logs
+with extra_imports("train"):
+    import aiohttp
+
+from lightning_grpc import environment, logs
 from lightning_grpc.processes import CLI, Background, log_field, model_child_env
 
 from .experiment import ExperimentConfig
 
-log = logs.get_logger("lightning_grpc.batching")
+log = logs.get_logger(__name__)
 
-VLLM_PYTHON_ENV = "LIGHTNING_GRPC_VLLM_PYTHON"
+VLLM_PYTHON_ENV = environment.VLLM_PYTHON
 #: Where ``make vllm-env`` builds vLLM's environment (the repository root's ``.venv-vllm``).
 DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 
@@ -135,7 +138,7 @@ class EmbeddedEngine:
                 "--max-batch-size",
                 str(self.max_batch_size),
             ],
-            {**model_child_env(self.threads), "LIGHTNING_GRPC_ENGINE_ADMIN_KEY": self.admin_key},
+            {**model_child_env(self.threads), environment.ENGINE_ADMIN_KEY: self.admin_key},
         )
         self.processes.append(engine)
         self.url = "http://" + log_field(engine.wait_for("event=engine_started", timeout=120)[0], "address")
@@ -153,7 +156,7 @@ class EmbeddedEngine:
             if resp.status == 401:
                 raise EngineError(
                     "the engine refused the new weights: its admin key is needed; set "
-                    "$LIGHTNING_GRPC_ENGINE_ADMIN_KEY to it (the engine logs the file it wrote it to)"
+                    f"${environment.ENGINE_ADMIN_KEY} to it (the engine logs the file it wrote it to)"
                 )
             if resp.status != 200:
                 raise EngineError(f"the engine refused the new weights: {resp.status} {await resp.text()}")
@@ -177,8 +180,8 @@ def vllm_python(configured: str = "") -> str:
     repository's ``.venv-vllm`` (``make vllm-env``), else this interpreter."""
     if configured:
         return configured
-    if os.environ.get(VLLM_PYTHON_ENV):
-        return os.environ[VLLM_PYTHON_ENV]
+    if python := environment.read(VLLM_PYTHON_ENV):
+        return python
     candidate = DEFAULT_VLLM_VENV / "bin" / "python"
     return str(candidate) if candidate.exists() else sys.executable
 
@@ -616,7 +619,7 @@ def make_engine(config: ExperimentConfig) -> Engine:
         )
     return EmbeddedEngine(
         url=svc.engine,
-        admin_key=os.environ.get("LIGHTNING_GRPC_ENGINE_ADMIN_KEY", ""),
+        admin_key=os.environ.get(environment.ENGINE_ADMIN_KEY, ""),
         served_name=config.model.served_name,
         threads=svc.engine_threads,
         max_batch_size=max(64, config.agent.concurrency * config.agent.processes),

@@ -1,47 +1,32 @@
 """One training experiment, described by one file (TOML or YAML) and checked before anything starts.
 
-    [experiment]              name, output_dir, seed, steps, mode ("sync" | "async"), async_groups,
-                              max_staleness
-    [agent]                   agent ("module:name"), or command (a runner in any language, as an argument
-                              list run from the config file's folder), train_tasks / val_tasks (JSONL
-                              files, paths relative to the config file), processes (0: runners started
-                              elsewhere serve the store named in [services]), concurrency
-    [model]                   path (a Hugging Face model directory), init (build the tiny local model there
-                              when missing; init_hidden_size and init_heads its shape), served_name
-    [data]                    group_size, batch_size (groups per step), max_prompt_length,
-                              max_response_length, aggregation, failure_policy, fill_reward
-    [sampling]                temperature, top_p, max_tokens (what the agents' LLM calls use)
-    [optim]                   lr, weight_decay, max_grad_norm, ppo_epochs, mini_batch_rollouts, old_log_probs
-    [ppo]                     clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, use_kl_loss,
-                              kl_loss_coef, kl_loss_type, entropy_coeff, norm_adv_by_std_in_grpo
-    [validation]              every (steps), samples (per val task), target (stop once the validation reward
-                              reaches it), solved_at
-    [checkpoint]              every (steps), keep
-    [engine]                  kind ("embedded" | "vllm"): what serves the policy; for vLLM: python (the
-                              interpreter that has vLLM), max_model_len, kv_cache_gib, args (more server
-                              arguments); services.engine names one already running instead
-    [learner]                 ranks (torch.distributed ranks of the learner: Ray actors in a placement group
-                              when more than 1), dist_backend ("gloo" | "nccl"; "": nccl with CUDA, else gloo),
-                              ray_address ("": a Ray started by the run)
-    [services]                store, proxy, proxy_grpc, engine: addresses of running ones (else started
-                              here), threads (torch threads of the trainer and of the engine)
-    [verl]                    the cluster backend (``train --backend verl``): n_gpus_per_node, nnodes,
-                              micro_batch_size_per_gpu, tensor_parallel_size, gpu_memory_utilization, and
-                              overrides (verl config keys as "dotted.key=value" strings)
+The file's tables are the sections below ([experiment], [agent], [model], [data], [sampling], [optim],
+[ppo], [validation], [checkpoint], [services], [engine], [learner], [verl]); every key, with its type,
+default and meaning, is listed by ``lightning-grpc train --help-config`` (generated from the dataclasses
+here, so it is never out of date). Relative paths are taken from the config file's folder.
 
-An unknown key or a value of the wrong kind is an error that names it (``optim.lrr``).
+An unknown key or a value of the wrong kind is an error that names it (``optim.lrr``); a key that moved
+names its new place. Each section checks its own keys (``check()``); :func:`check_experiment` adds the
+rules that span sections.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
+import textwrap
 import tomllib
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
+
+from lightning_grpc import environment
+from lightning_grpc._extras import import_extra
+from lightning_grpc.batching.options import Aggregation, FailurePolicy
 
 from .learner import OptimConfig
 from .ppo import PPOConfig
@@ -51,132 +36,353 @@ class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the key."""
 
 
-@dataclass(frozen=True)
-class ExperimentSection:
-    name: str = "experiment"
-    output_dir: str = "runs/experiment"
-    seed: int = 0
-    steps: int = 100
-    #: "sync": generate, then update, then the next step; "async": groups keep running across updates.
-    mode: str = "sync"
-    #: Async mode: groups kept in flight (submitted, not yet taken).
-    async_groups: int = 0
-    #: Async mode: calls sampled more than this many policy versions ago are dropped.
-    max_staleness: int = 1
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+class _Section:
+    """A table of the experiment file that checks its own keys."""
+
+    #: The table's name in the file (``[name]``), used in error messages.
+    section: ClassVar[str]
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        """(key, holds, what it must be) for each rule of this section alone."""
+        return []
+
+    def check(self) -> None:
+        """Refuse what cannot run, naming ``section.key``."""
+        for key, holds, rule in self.rules():
+            if not holds:
+                raise ConfigError(f"{self.section}.{key} {rule}")
+
+
+RunMode = Literal["sync", "async"]
+EngineKind = Literal["embedded", "vllm"]
+DistBackend = Literal["", "gloo", "nccl"]
+ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
 
 
 @dataclass(frozen=True)
-class AgentSection:
-    agent: str = ""
-    #: A runner written in another language, started instead of the Python runner: its argument list, run
-    #: from the config file's folder with the store's address (and credential) in its environment.
-    command: tuple[str, ...] = ()
-    train_tasks: str = ""
-    val_tasks: str = ""
-    processes: int = 1
-    concurrency: int = 64
+class ExperimentSection(_Section):
+    """The run as a whole: its name, where it writes, how long, and how generation and updates overlap."""
+
+    section: ClassVar[str] = "experiment"
+
+    name: str = field(default="experiment", metadata=_help("The run's name (in request ids and logs)."))
+    output_dir: str = field(
+        default="runs/experiment",
+        metadata=_help("Where metrics, checkpoints and the trained model go (relative: to the file)."),
+    )
+    seed: int = field(default=0, metadata=_help("Seed of the learner, the task order and the tiny model."))
+    steps: int = field(default=100, metadata=_help("Training steps (one update each)."))
+    mode: RunMode = field(
+        default="sync",
+        metadata=_help(
+            '"sync": generate, then update, then the next step; "async": groups keep running across updates.'
+        ),
+    )
+    async_groups: int = field(
+        default=0,
+        metadata=_help(
+            "Async mode: groups kept in flight (submitted, not yet taken); at least data.batch_size."
+        ),
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata=_help("Async mode: calls sampled more than this many policy versions ago are dropped."),
+    )
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("steps", self.steps >= 1, "must be at least 1"),
+            ("max_staleness", self.max_staleness >= 0, "must be at least 0"),
+        ]
 
 
 @dataclass(frozen=True)
-class ModelSection:
-    path: str = ""
-    init: bool = False
-    served_name: str = "policy"
-    #: The width of the tiny model ``init`` builds (``init-model --hidden-size``).
-    init_hidden_size: int = 64
-    #: Its attention heads (``init-model --heads``): vLLM's CPU attention needs a head size of at least 32,
-    #: so 2 heads at the default width.
-    init_heads: int = 4
+class AgentSection(_Section):
+    """The agent that produces rollouts, the tasks it is given, and the runners that run it."""
+
+    section: ClassVar[str] = "agent"
+
+    agent: str = field(
+        default="",
+        metadata=_help('The Python agent, as "module:name" (or agent.command instead: one of the two).'),
+    )
+    command: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "A runner written in another language, started instead of the Python runner: its argument "
+            "list, run from the config file's folder with the store's address (and credential) in its "
+            "environment."
+        ),
+    )
+    train_tasks: str = field(
+        default="", metadata=_help("JSONL file of training tasks (one JSON value a line).")
+    )
+    val_tasks: str = field(
+        default="", metadata=_help('JSONL file of validation tasks ("": no validation set).')
+    )
+    processes: int = field(
+        default=1,
+        metadata=_help("Runner processes started (0: runners started elsewhere serve services.store)."),
+    )
+    concurrency: int = field(default=64, metadata=_help("Rollouts each runner process runs at once."))
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            (
+                "agent",
+                (bool(self.agent) and ":" in self.agent) != bool(self.command),
+                "must name the agent as module:name, or agent.command a runner to start (one of the two)",
+            ),
+            ("train_tasks", bool(self.train_tasks), "must name a JSONL file of training tasks"),
+            ("processes", self.processes >= 0, "must be at least 0 (0: runners run elsewhere)"),
+            ("concurrency", self.concurrency >= 1, "must be at least 1"),
+        ]
 
 
 @dataclass(frozen=True)
-class DataSection:
-    group_size: int = 8
-    batch_size: int = 16
-    max_prompt_length: int = 0
-    max_response_length: int = 0
-    aggregation: str = "transition"
-    failure_policy: str = "drop_rollout"
-    fill_reward: float = 0.0
+class ModelSection(_Section):
+    """The policy model: a Hugging Face model directory, or a tiny one built there."""
+
+    section: ClassVar[str] = "model"
+
+    path: str = field(default="", metadata=_help("The Hugging Face model directory the run starts from."))
+    init: bool = field(
+        default=False, metadata=_help("Build the tiny local model at model.path when it is missing.")
+    )
+    served_name: str = field(default="policy", metadata=_help("The model name the agents' LLM calls use."))
+    init_hidden_size: int = field(
+        default=64,
+        metadata=_help("The width of the tiny model model.init builds (init-model --hidden-size)."),
+    )
+    init_heads: int = field(
+        default=4,
+        metadata=_help(
+            "Its attention heads (init-model --heads): vLLM's CPU attention needs a head size of at "
+            "least 32, so 2 heads at the default width."
+        ),
+    )
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("path", bool(self.path), "must name a model directory"),
+            (
+                "init_heads",
+                self.init_heads >= 1 and self.init_hidden_size % self.init_heads == 0,
+                "must divide model.init_hidden_size",
+            ),
+        ]
 
 
 @dataclass(frozen=True)
-class SamplingSection:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 16
+class DataSection(_Section):
+    """How the trainer cuts each step's batch out of the finished rollouts."""
+
+    section: ClassVar[str] = "data"
+
+    group_size: int = field(default=8, metadata=_help("Rollouts per task in a GRPO group."))
+    batch_size: int = field(default=16, metadata=_help("Groups per training step."))
+    max_prompt_length: int = field(default=0, metadata=_help("Longest prompt in a batch row (0: no limit)."))
+    max_response_length: int = field(
+        default=0, metadata=_help("Longest response in a batch row (0: no limit).")
+    )
+    aggregation: Aggregation = field(
+        default=Aggregation.TRANSITION,
+        metadata=_help("A batch row per LLM call (transition) or per rollout (trajectory)."),
+    )
+    failure_policy: FailurePolicy = field(
+        default=FailurePolicy.DROP_ROLLOUT,
+        metadata=_help(
+            "A rollout that failed or has no reward: drop its group, drop it, or fill it with data.fill_reward."
+        ),
+    )
+    fill_reward: float = field(default=0.0, metadata=_help('The reward failure_policy = "fill" gives.'))
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("group_size", self.group_size >= 1, "must be at least 1"),
+            ("batch_size", self.batch_size >= 1, "must be at least 1"),
+        ]
 
 
 @dataclass(frozen=True)
-class ValidationSection:
-    every: int = 10
-    samples: int = 4
-    target: float | None = None
-    solved_at: float = 1.0
+class SamplingSection(_Section):
+    """What the agents' LLM calls use; the learner computes log-probs at the same temperature."""
+
+    section: ClassVar[str] = "sampling"
+
+    temperature: float = field(
+        default=1.0,
+        metadata=_help(
+            "Sampling temperature of the agents' calls, and the one the learner computes log-probs at."
+        ),
+    )
+    top_p: float = field(default=1.0, metadata=_help("Nucleus sampling: the probability mass kept."))
+    max_tokens: int = field(default=16, metadata=_help("Longest response of one LLM call."))
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("temperature", self.temperature > 0, "must be greater than 0"),
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+        ]
 
 
 @dataclass(frozen=True)
-class CheckpointSection:
-    every: int = 0
-    keep: int = 2
+class ValidationSection(_Section):
+    """Validation on agent.val_tasks, sampled as in training."""
+
+    section: ClassVar[str] = "validation"
+
+    every: int = field(default=10, metadata=_help("Validate every this many steps (0: no validation)."))
+    samples: int = field(default=4, metadata=_help("Rollouts per validation task."))
+    target: float | None = field(
+        default=None, metadata=_help("Stop once the validation reward reaches it (unset: never).")
+    )
+    solved_at: float = field(
+        default=1.0, metadata=_help("A rollout with at least this reward counts as solved.")
+    )
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("every", self.every >= 0, "must be at least 0 (0: no validation)"),
+            ("samples", self.samples >= 1, "must be at least 1"),
+        ]
 
 
 @dataclass(frozen=True)
-class ServicesSection:
-    store: str = ""
-    proxy: str = ""
-    proxy_grpc: str = ""
-    engine: str = ""
-    trainer_threads: int = 1
-    engine_threads: int = 1
+class CheckpointSection(_Section):
+    """Checkpoints under experiment.output_dir, for ``train --resume``."""
 
+    section: ClassVar[str] = "checkpoint"
 
-ENGINE_KINDS = ("embedded", "vllm")
+    every: int = field(default=0, metadata=_help("Save a checkpoint every this many steps (0: none)."))
+    keep: int = field(default=2, metadata=_help("Checkpoints kept (older ones are removed)."))
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [("every", self.every >= 0, "must be at least 0")]
 
 
 @dataclass(frozen=True)
-class EngineSection:
+class ServicesSection(_Section):
+    """Services already running (else started by the run), and the threads of those it starts."""
+
+    section: ClassVar[str] = "services"
+
+    store: str = field(default="", metadata=_help('Address of a running store ("": one is started).'))
+    proxy: str = field(default="", metadata=_help('Address of a running proxy\'s HTTP side ("": started).'))
+    proxy_grpc: str = field(
+        default="", metadata=_help("Address of that proxy's gRPC service (\"\": services.store's).")
+    )
+    engine: str = field(
+        default="", metadata=_help('Address of a running engine ("": engine.kind says what is started).')
+    )
+    trainer_threads: int = field(default=1, metadata=_help("torch threads of the trainer's process."))
+    engine_threads: int = field(default=1, metadata=_help("torch threads of the engine the run starts."))
+
+
+@dataclass(frozen=True)
+class EngineSection(_Section):
     """What serves the policy to the agents (through the proxy) and takes each update's weights."""
 
-    #: "embedded": the project's CPU engine (the default); "vllm": a vLLM server, the same code as on GPUs.
-    kind: str = "embedded"
-    #: vLLM: the Python interpreter that has vLLM installed ("": $LIGHTNING_GRPC_VLLM_PYTHON, else the
-    #: project's .venv-vllm, else this interpreter).
-    python: str = ""
-    #: vLLM: the longest prompt plus response it schedules (--max-model-len).
-    max_model_len: int = 1024
-    #: vLLM on CPU: GiB of memory for its KV cache (VLLM_CPU_KVCACHE_SPACE).
-    kv_cache_gib: float = 1.0
-    #: vLLM: more server arguments, as a list of strings.
-    args: tuple[str, ...] = ()
+    section: ClassVar[str] = "engine"
+
+    kind: EngineKind = field(
+        default="embedded",
+        metadata=_help(
+            '"embedded": the project\'s CPU engine; "vllm": a vLLM server, the same code as on GPUs.'
+        ),
+    )
+    python: str = field(
+        default="",
+        metadata=_help(
+            f'vLLM: the Python interpreter that has vLLM installed ("": ${environment.VLLM_PYTHON}, '
+            "else the project's .venv-vllm, else this interpreter)."
+        ),
+    )
+    max_model_len: int = field(
+        default=1024, metadata=_help("vLLM: the longest prompt plus response it schedules (--max-model-len).")
+    )
+    kv_cache_gib: float = field(
+        default=1.0, metadata=_help("vLLM on CPU: GiB of memory for its KV cache (VLLM_CPU_KVCACHE_SPACE).")
+    )
+    args: tuple[str, ...] = field(default=(), metadata=_help("vLLM: more server arguments."))
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("max_model_len", self.max_model_len >= 16, "must be at least 16"),
+            ("kv_cache_gib", self.kv_cache_gib > 0, "must be greater than 0"),
+        ]
 
 
 @dataclass(frozen=True)
-class LearnerSection:
+class LearnerSection(_Section):
     """How the update is computed: one process, or several torch.distributed ranks sharding the model."""
 
-    #: Ranks of the learner: 1 runs in the trainer's process; more run as Ray actors in a placement group,
-    #: the model sharded by FSDP2 and each rank taking whole groups of the batch.
-    ranks: int = 1
-    #: torch.distributed backend: "gloo" (CPU), "nccl" (CUDA); "": nccl when CUDA is there, else gloo.
-    dist_backend: str = ""
-    #: The Ray cluster the ranks are placed on ("": a local Ray the run starts and stops).
-    ray_address: str = ""
+    section: ClassVar[str] = "learner"
+
+    ranks: int = field(
+        default=1,
+        metadata=_help(
+            "Ranks of the learner: 1 runs in the trainer's process; more run as Ray actors in a placement "
+            "group, the model sharded by FSDP2 and each rank taking whole groups of the batch."
+        ),
+    )
+    dist_backend: DistBackend = field(
+        default="",
+        metadata=_help(
+            'torch.distributed backend: "gloo" (CPU), "nccl" (CUDA); "": nccl with CUDA, else gloo.'
+        ),
+    )
+    ray_address: str = field(
+        default="",
+        metadata=_help('The Ray cluster the ranks are placed on ("": a local Ray the run starts).'),
+    )
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [("ranks", self.ranks >= 1, "must be at least 1")]
 
 
 @dataclass(frozen=True)
-class VerlSection:
+class VerlSection(_Section):
     """What only ``lightning-grpc train --backend verl`` uses: the cluster, and verl's own knobs by name."""
 
-    n_gpus_per_node: int = 1
-    nnodes: int = 1
-    #: Rows per GPU per forward/backward pass (verl: ppo_micro_batch_size_per_gpu and the log-prob ones).
-    micro_batch_size_per_gpu: int = 4
-    #: vLLM tensor parallelism per rollout replica.
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
-    #: Any other key of verl's trainer config, as "dotted.key=value" (applied last).
-    overrides: tuple[str, ...] = ()
+    section: ClassVar[str] = "verl"
+
+    n_gpus_per_node: int = field(default=1, metadata=_help("GPUs per node of the cluster."))
+    nnodes: int = field(default=1, metadata=_help("Nodes of the cluster."))
+    micro_batch_size_per_gpu: int = field(
+        default=4,
+        metadata=_help(
+            "Rows per GPU per forward/backward pass (verl: ppo_micro_batch_size_per_gpu and the log-prob ones)."
+        ),
+    )
+    tensor_parallel_size: int = field(
+        default=1, metadata=_help("vLLM tensor parallelism per rollout replica.")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.5, metadata=_help("Share of each GPU's memory vLLM may take, in (0, 1].")
+    )
+    overrides: tuple[str, ...] = field(
+        default=(),
+        metadata=_help('Any other key of verl\'s trainer config, as "dotted.key=value" (applied last).'),
+    )
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("n_gpus_per_node", self.n_gpus_per_node >= 1, "must be at least 1"),
+            ("nnodes", self.nnodes >= 1, "must be at least 1"),
+            ("micro_batch_size_per_gpu", self.micro_batch_size_per_gpu >= 1, "must be at least 1"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be at least 1"),
+            ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "must be in (0, 1]"),
+            (
+                "overrides",
+                all("=" in o and not o.startswith("=") for o in self.overrides),
+                'must be "dotted.key=value" strings',
+            ),
+        ]
 
 
 @dataclass(frozen=True)
@@ -207,12 +413,39 @@ class ExperimentConfig:
         return self.path(self.experiment.output_dir)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        """The settings as plain values (enum members by their lower-case names, as a file gives them)."""
+        out = _plain(dataclasses.asdict(self))
         out.pop("base_dir")
-        return out
+        return out  # type: ignore[no-any-return]
 
 
-_SECTIONS = {f.name: f for f in dataclasses.fields(ExperimentConfig) if f.name != "base_dir"}
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+#: Each table of the file and the dataclass that holds it.
+SECTIONS: dict[str, type] = {
+    name: hint for name, hint in get_type_hints(ExperimentConfig).items() if name != "base_dir"
+}
+
+#: Settings kept in one place and copied where else they are used: "section.key" -> where it is set.
+#: A file that still gives the copy is told where the setting lives now.
+DERIVED: dict[str, str] = {
+    # log-probs are computed at the temperature the engine sampled at
+    "optim.temperature": "sampling.temperature",
+}
+
+
+def file_keys(kind: type) -> list[dataclasses.Field[Any]]:
+    """The fields of a section a file may set (not those derived from another section's)."""
+    section = next(name for name, hint in SECTIONS.items() if hint is kind)
+    return [f for f in dataclasses.fields(kind) if f"{section}.{f.name}" not in DERIVED]
 
 
 def load_experiment(path: str | Path, overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
@@ -223,8 +456,7 @@ def load_experiment(path: str | Path, overrides: Mapping[str, Any] | None = None
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
     if path.suffix in (".yaml", ".yml"):
-        import yaml
-
+        yaml = import_extra("yaml", "train")
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
@@ -244,24 +476,22 @@ def load_experiment(path: str | Path, overrides: Mapping[str, Any] | None = None
 
 def experiment_from_dict(raw: Mapping[str, Any], base_dir: str | Path = ".") -> ExperimentConfig:
     sections: dict[str, Any] = {}
-    raw = dict(raw)
-    sampling, optim = raw.get("sampling"), raw.get("optim")
-    if (
-        isinstance(sampling, Mapping)
-        and "temperature" in sampling
-        and not (isinstance(optim, Mapping) and "temperature" in optim)
-    ):  # log-probs are computed at the sampling temperature unless told otherwise
-        raw["optim"] = {
-            **(optim if isinstance(optim, Mapping) else {}),
-            "temperature": sampling["temperature"],
-        }
     for name, value in raw.items():
-        if name not in _SECTIONS:
-            raise ConfigError(f"unknown section [{name}] (known: {', '.join(_SECTIONS)})")
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section [{name}] (known: {', '.join(SECTIONS)})")
         if not isinstance(value, Mapping):
             raise ConfigError(f"[{name}] must be a table of settings")
-        kind = _SECTIONS[name].default_factory()  # type: ignore[misc, operator]
-        sections[name] = _section(name, type(kind), value)
+        sections[name] = _section(name, SECTIONS[name], value)
+    for copy, source in DERIVED.items():  # the one place a setting lives, copied where it is also used
+        section, _, key = copy.partition(".")
+        from_section, _, from_key = source.partition(".")
+        value = getattr(sections.get(from_section) or SECTIONS[from_section](), from_key)
+        try:
+            sections[section] = dataclasses.replace(
+                sections.get(section) or SECTIONS[section](), **{key: value}
+            )
+        except ValueError:  # a value the source section refuses, naming its own key (check_experiment)
+            pass
     config = ExperimentConfig(**sections, base_dir=str(base_dir))
     check_experiment(config)
     return config
@@ -269,106 +499,114 @@ def experiment_from_dict(raw: Mapping[str, Any], base_dir: str | Path = ".") -> 
 
 def _section(name: str, kind: type, values: Mapping[str, Any]) -> Any:
     hints = get_type_hints(kind)
-    known = {f.name for f in dataclasses.fields(kind)}
+    known = {f.name for f in file_keys(kind)}
     checked = {}
     for key, value in values.items():
+        if f"{name}.{key}" in DERIVED:
+            raise ConfigError(
+                f"{name}.{key} moved to {DERIVED[f'{name}.{key}']}: set it there (one setting, one place)"
+            )
         if key not in known:
             raise ConfigError(f"unknown key {name}.{key} (known: {', '.join(sorted(known))})")
         checked[key] = _typed(f"{name}.{key}", hints[key], value)
     try:
         return kind(**checked)
+    except ConfigError:
+        raise
     except ValueError as exc:  # the section's own checks name the key
         raise ConfigError(f"{name}.{exc}") from None
 
 
+def _is_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, enum.Enum)
+
+
+def type_name(hint: Any) -> str:
+    """How a field's type reads in a file: ``int``, ``"sync" | "async"``, ``list of str``, ``float | unset``."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    if _is_enum(hint):
+        return " | ".join(json.dumps(m.name.lower()) for m in hint)
+    if origin is Union or origin is types.UnionType:
+        return " | ".join("unset" if a is type(None) else type_name(a) for a in args)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"list of {type_name(args[0])}"
+        return f"[{', '.join(type_name(a) for a in args)}]"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _allowed(hint: Any) -> list[Any]:
+    """The values a Literal or an enum allows, as a file spells them."""
+    if _is_enum(hint):
+        return [m.name.lower() for m in hint]
+    return list(get_args(hint))
+
+
 def _typed(where: str, hint: Any, value: Any) -> Any:
-    text = str(hint)
-    if value is None and "None" in text:
-        return None
-    if hint is bool or text == "bool":
+    """``value`` as the type ``hint`` wants (read with get_origin / get_args), or a ConfigError naming it."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union or origin is types.UnionType:
+        if value is None and type(None) in args:
+            return None
+        for member in args:
+            if member is not type(None):
+                try:
+                    return _typed(where, member, value)
+                except ConfigError:
+                    pass
+    elif origin is Literal or _is_enum(hint):
+        if _is_enum(hint) and isinstance(value, hint):
+            return value
+        allowed = _allowed(hint)
+        for choice in allowed:
+            if type(value) is type(choice) and value == choice:
+                return hint[value.upper()] if _is_enum(hint) else value
+        raise ConfigError(
+            f"{where} must be one of {', '.join(json.dumps(a) for a in allowed)} "
+            f"(got {json.dumps(value, default=str)})"
+        )
+    elif origin is tuple:
+        variadic = len(args) == 2 and args[1] is Ellipsis
+        if isinstance(value, list | tuple) and (variadic or len(value) == len(args)):
+            kinds = [args[0]] * len(value) if variadic else list(args)
+            try:
+                return tuple(_typed(where, kind, v) for kind, v in zip(kinds, value, strict=True))
+            except ConfigError:
+                pass
+    elif hint is bool:
         if isinstance(value, bool):
             return value
-    elif "float" in text and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    elif (hint is int or text == "int") and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    elif "tuple[str" in text:
-        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-    elif "tuple" in text:
-        if isinstance(value, list | tuple):
-            return tuple(float(v) for v in value)
-    elif (hint is str or "str" in text or "Literal" in text) and isinstance(value, str):
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is str and isinstance(value, str):
         return value
     raise ConfigError(
-        f"{where} has the wrong kind of value: {json.dumps(value, default=str)} (wanted {text})"
+        f"{where} has the wrong kind of value: {json.dumps(value, default=str)} (wanted {type_name(hint)})"
     )
 
 
 def check_experiment(c: ExperimentConfig) -> None:
-    """Refuse what cannot run, naming the key."""
+    """Refuse what cannot run, naming the key: each section's own checks, then the rules across sections."""
+    for f in dataclasses.fields(c):
+        section = getattr(c, f.name)
+        if isinstance(section, _Section):
+            section.check()
     rules = [
-        (
-            "agent.agent",
-            (bool(c.agent.agent) and ":" in c.agent.agent) != bool(c.agent.command),
-            "must name the agent as module:name, or agent.command a runner to start (one of the two)",
-        ),
-        ("agent.train_tasks", bool(c.agent.train_tasks), "must name a JSONL file of training tasks"),
-        ("model.path", bool(c.model.path), "must name a model directory"),
-        ("experiment.steps", c.experiment.steps >= 1, "must be at least 1"),
-        ("experiment.mode", c.experiment.mode in ("sync", "async"), "must be 'sync' or 'async'"),
-        ("experiment.max_staleness", c.experiment.max_staleness >= 0, "must be at least 0"),
-        ("data.group_size", c.data.group_size >= 1, "must be at least 1"),
-        ("data.batch_size", c.data.batch_size >= 1, "must be at least 1"),
-        (
-            "data.aggregation",
-            c.data.aggregation in ("transition", "trajectory"),
-            "must be transition or trajectory",
-        ),
-        (
-            "data.failure_policy",
-            c.data.failure_policy in ("drop_group", "drop_rollout", "fill"),
-            "must be drop_group, drop_rollout or fill",
-        ),
-        ("sampling.temperature", c.sampling.temperature > 0, "must be greater than 0"),
-        ("sampling.max_tokens", c.sampling.max_tokens >= 1, "must be at least 1"),
-        ("validation.every", c.validation.every >= 0, "must be at least 0 (0: no validation)"),
-        ("validation.samples", c.validation.samples >= 1, "must be at least 1"),
-        ("agent.processes", c.agent.processes >= 0, "must be at least 0 (0: runners run elsewhere)"),
         (
             "agent.processes",
             c.agent.processes >= 1 or bool(c.services.store),
             "may be 0 only when services.store names a running store that the runners serve",
         ),
-        ("agent.concurrency", c.agent.concurrency >= 1, "must be at least 1"),
-        ("checkpoint.every", c.checkpoint.every >= 0, "must be at least 0"),
         (
-            "model.init_heads",
-            c.model.init_heads >= 1 and c.model.init_hidden_size % c.model.init_heads == 0,
-            "must divide model.init_hidden_size",
-        ),
-        ("engine.kind", c.engine.kind in ENGINE_KINDS, f"must be one of {', '.join(ENGINE_KINDS)}"),
-        ("engine.max_model_len", c.engine.max_model_len >= 16, "must be at least 16"),
-        ("engine.kv_cache_gib", c.engine.kv_cache_gib > 0, "must be greater than 0"),
-        ("learner.ranks", c.learner.ranks >= 1, "must be at least 1"),
-        (
-            "learner.dist_backend",
-            c.learner.dist_backend in ("", "gloo", "nccl"),
-            "must be gloo, nccl or empty (nccl with CUDA, else gloo)",
-        ),
-        ("verl.n_gpus_per_node", c.verl.n_gpus_per_node >= 1, "must be at least 1"),
-        ("verl.nnodes", c.verl.nnodes >= 1, "must be at least 1"),
-        ("verl.micro_batch_size_per_gpu", c.verl.micro_batch_size_per_gpu >= 1, "must be at least 1"),
-        ("verl.tensor_parallel_size", c.verl.tensor_parallel_size >= 1, "must be at least 1"),
-        (
-            "verl.gpu_memory_utilization",
-            0.0 < c.verl.gpu_memory_utilization <= 1.0,
-            "must be in (0, 1]",
-        ),
-        (
-            "verl.overrides",
-            all("=" in o and not o.startswith("=") for o in c.verl.overrides),
-            'must be "dotted.key=value" strings',
+            "experiment.async_groups",
+            c.experiment.mode != "async" or c.experiment.async_groups >= c.data.batch_size,
+            "must be at least data.batch_size in async mode",
         ),
         (
             "optim.temperature",
@@ -379,12 +617,56 @@ def check_experiment(c: ExperimentConfig) -> None:
     for key, holds, rule in rules:
         if not holds:
             raise ConfigError(f"{key} {rule}")
-    if c.experiment.mode == "async" and c.experiment.async_groups < c.data.batch_size:
-        raise ConfigError("experiment.async_groups must be at least data.batch_size in async mode")
     for key in ("train_tasks", "val_tasks"):
         value = getattr(c.agent, key)
         if value and not c.path(value).is_file():
             raise ConfigError(f"agent.{key}: no file {c.path(value)}")
+
+
+def _toml_value(value: Any) -> str:
+    """A default as a file would write it."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return json.dumps(value.name.lower())
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is dataclasses.MISSING:
+        raise TypeError(f"field {f.name!r} has no default")
+    return f.default_factory()
+
+
+def describe_config(width: int = 100) -> str:
+    """Every section and key of an experiment file with its type, default and help, from the dataclasses."""
+    lines = [
+        "The keys of an experiment file (TOML tables, or YAML mappings of the same names); relative paths",
+        "are taken from the file's folder. Override one with --set SECTION.KEY=VALUE.",
+    ]
+    for name, kind in SECTIONS.items():
+        doc = (kind.__doc__ or "").strip().split("\n\n")[0]
+        lines += ["", f"[{name}]"]
+        if doc:
+            lines += textwrap.wrap(
+                " ".join(doc.split()), width, initial_indent="  # ", subsequent_indent="  # "
+            )
+        hints = get_type_hints(kind)
+        for f in file_keys(kind):
+            lines.append(f"  {f.name}: {type_name(hints[f.name])} = {_toml_value(_default(f))}")
+            lines += textwrap.wrap(
+                f.metadata.get("help", ""), width, initial_indent=" " * 6, subsequent_indent=" " * 6
+            )
+    moved = [f"  {copy}: set as {source}" for copy, source in DERIVED.items()]
+    return "\n".join([*lines, "", "Set in one place and used elsewhere too:", *moved]) + "\n"
 
 
 def read_tasks(path: Path) -> list[Any]:

@@ -18,8 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-import torch
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("train"):
+    import numpy as np
+    import torch
 
 from . import ppo
 from .sharded import SHARDED_DIR, load_sharded_checkpoint, random_states, restore_random_states
@@ -32,19 +35,30 @@ CONFIG_FILE = "trainer_config.json"
 class OptimConfig:
     """The optimiser and how a batch is used (verl's names where verl has one)."""
 
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    #: Gradients are clipped to this total norm (0: no clipping).
-    max_grad_norm: float = 1.0
-    #: Passes over each batch (verl: ppo_epochs).
-    ppo_epochs: int = 1
-    #: Rollouts per optimiser step (0: the whole batch in one step).
-    mini_batch_rollouts: int = 0
-    #: The sampling temperature: log-probs are computed at it, as the engine sampled.
-    temperature: float = 1.0
-    #: "recompute" under the weights before the update, or "rollout": the proxy's recorded log-probs.
-    old_log_probs: Literal["recompute", "rollout"] = "recompute"
+    lr: float = field(default=3e-4, metadata={"help": "AdamW learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW betas."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Gradients are clipped to this total norm (0: no clipping)."}
+    )
+    ppo_epochs: int = field(default=1, metadata={"help": "Passes over each batch (verl: ppo_epochs)."})
+    mini_batch_rollouts: int = field(
+        default=0, metadata={"help": "Rollouts per optimiser step (0: the whole batch in one step)."}
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": "The sampling temperature: log-probs are computed at it, as the engine sampled "
+            "(an experiment file sets it as sampling.temperature)."
+        },
+    )
+    old_log_probs: Literal["recompute", "rollout"] = field(
+        default="recompute",
+        metadata={
+            "help": '"recompute": under the weights before the update; '
+            "\"rollout\": the proxy's recorded log-probs (verl's bypass mode)."
+        },
+    )
 
     def __post_init__(self) -> None:
         checks = [

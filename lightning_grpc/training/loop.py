@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -28,11 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
-import psutil
-import torch
+from lightning_grpc._extras import extra_imports, import_extra
 
-from lightning_grpc import logs, semconv
+with extra_imports("train"):
+    import aiohttp
+    import psutil
+    import torch
+
+from lightning_grpc import environment, logs, semconv
 from lightning_grpc.algorithm import final_reward
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
 from lightning_grpc.client.proxy import ProxyClient
@@ -48,7 +50,7 @@ from .services import Services, start_runners, start_services
 if TYPE_CHECKING:
     from lightning_grpc.client.trainer import TrainingBatch
 
-log = logs.get_logger("lightning_grpc.batching")
+log = logs.get_logger(__name__)
 
 PRINTED = (
     "reward_mean",
@@ -242,7 +244,7 @@ class TrainingRun:
         cfg = self.config
         # A store with auth on (its admin token in $LIGHTNING_GRPC_TOKEN, which the server and runners this run
         # starts take as well) is driven with that token: a training run is the admin role.
-        token = os.environ.get("LIGHTNING_GRPC_TOKEN") or None
+        token = environment.read(environment.TOKEN)
         client_config = ClientConfig(target=svc.store, timeout=120.0, token=token)
         async with (
             StoreClient(client_config) as store,
@@ -524,8 +526,7 @@ class TrainingRun:
     def _bar(self, first_step: int) -> Any:
         if not self.progress:
             return None
-        from tqdm import tqdm
-
+        tqdm = import_extra("tqdm", "train").tqdm
         return tqdm(
             total=self.config.experiment.steps,
             initial=first_step - 1,

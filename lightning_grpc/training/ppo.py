@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypedDict, TypeVar, Unpack, get_args
 
-import numpy as np
-import torch
-from torch import Tensor
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("train"):
+    import numpy as np
+    import torch
+    from torch import Tensor
 
 LossAggMode = Literal[
     "token-mean",
@@ -69,16 +72,31 @@ class PPOConfig:
     (``algorithm.norm_adv_by_std_in_grpo``); the rest are ``actor_rollout_ref.actor.*``.
     """
 
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: LossAggMode = "token-mean"
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: KlPenaltyKind = "low_var_kl"
-    entropy_coeff: float = 0.0
-    norm_adv_by_std_in_grpo: bool = True
-    epsilon: float = 1e-6
+    clip_ratio_low: float = field(
+        default=0.2, metadata={"help": "The ratio is clipped below at 1 - clip_ratio_low."}
+    )
+    clip_ratio_high: float = field(
+        default=0.2, metadata={"help": "The ratio is clipped above at 1 + clip_ratio_high."}
+    )
+    clip_ratio_c: float = field(
+        default=3.0, metadata={"help": "Dual-clip bound on the loss of negative advantages (> 1)."}
+    )
+    loss_agg_mode: LossAggMode = field(
+        default="token-mean",
+        metadata={"help": "How token losses are averaged into the batch loss (per-rollout-mean: ours)."},
+    )
+    use_kl_loss: bool = field(
+        default=False, metadata={"help": "Add a KL loss against a frozen copy of the starting model."}
+    )
+    kl_loss_coef: float = field(default=0.001, metadata={"help": "Weight of the KL loss."})
+    kl_loss_type: KlPenaltyKind = field(
+        default="low_var_kl", metadata={"help": "The KL estimator of the KL loss."}
+    )
+    entropy_coeff: float = field(default=0.0, metadata={"help": "Weight of the entropy bonus (0: none)."})
+    norm_adv_by_std_in_grpo: bool = field(
+        default=True, metadata={"help": "Divide each GRPO advantage by its group's reward std."}
+    )
+    epsilon: float = field(default=1e-6, metadata={"help": "Added to the group std before dividing by it."})
 
     def __post_init__(self) -> None:
         for flag in ("use_kl_loss", "norm_adv_by_std_in_grpo"):

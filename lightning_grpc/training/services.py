@@ -4,18 +4,17 @@ experiment names a running one."""
 
 from __future__ import annotations
 
-import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_grpc import logs
+from lightning_grpc import environment, logs
 from lightning_grpc.processes import CLI, Background, log_field, model_child_env
 
 from .engines import Engine, VllmEngine, make_engine
 from .experiment import ExperimentConfig
 
-log = logs.get_logger("lightning_grpc.batching")
+log = logs.get_logger(__name__)
 
 
 @dataclass
@@ -178,15 +177,16 @@ def command_env(config: ExperimentConfig, services: Services, index: int) -> dic
     environment already names one) the store's port as its OTLP/gRPC endpoint."""
     env = {
         **model_child_env(1),
-        "LIGHTNING_GRPC_STORE": services.store,
-        "LIGHTNING_GRPC_CONCURRENCY": str(config.agent.concurrency),
-        "LIGHTNING_GRPC_WORKER_ID": f"{config.experiment.name}-runner-{index}-{secrets.token_hex(3)}",
+        environment.STORE: services.store,
+        environment.CONCURRENCY: str(config.agent.concurrency),
+        environment.WORKER_ID: f"{config.experiment.name}-runner-{index}-{secrets.token_hex(3)}",
     }
     if not (
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        environment.read(environment.OTEL_EXPORTER_OTLP_ENDPOINT)
+        or environment.read(environment.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
     ):
-        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = _http(services.store)
-        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "grpc"
+        env[environment.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT] = _http(services.store)
+        env[environment.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL] = "grpc"
     return env
 
 

@@ -13,8 +13,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import torch
+from lightning_grpc._extras import extra_imports
+
+with extra_imports("train"):
+    import numpy as np
+    import torch
 
 SHARDED_DIR = "sharded"
 RANK_STATE = "rank-{rank}.pt"
@@ -61,13 +64,13 @@ def load_sharded_checkpoint(learner: HasState, path: Path, rank: int) -> dict[st
     """A checkpoint of ranks into ``learner``: a rank of any number of ranks (each reads its part of every
     shard) or the one-process learner (the whole); the step, the random states of ``rank`` (a rank that
     did not exist then keeps its seed's) and the loop's ``extra``."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     state = sharded_state(learner)
     with warnings.catch_warnings():  # in one process DCP warns that it loads in one process: as meant
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path / SHARDED_DIR), no_dist=not _distributed())
+        dcp_load(state, checkpoint_id=str(path / SHARDED_DIR), no_dist=not _distributed())
     set_state_dict(
         learner.model,
         learner.optimizer,

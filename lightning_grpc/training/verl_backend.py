@@ -268,7 +268,7 @@ def trainer_class() -> type:
     from verl.trainer.ppo.reward import extract_reward
     from verl.utils.metric import reduce_metrics
 
-    class LightningPPOTrainer(RayPPOTrainer):  # type: ignore[misc, valid-type]
+    class LightningPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
         """verl's trainer, driven by lightning-grpc's loop one batch at a time.
 
         ``init_workers()`` (verl's) starts the actor and the vLLM replicas; :meth:`replica_addresses`
@@ -341,7 +341,7 @@ def check_cluster() -> None:
 
 
 def run_verl(config: ExperimentConfig, *, progress: bool = True) -> Any:
-    """Train the experiment with verl on a GPU cluster (Ray): see the README's verl recipe.
+    """Train the experiment with verl on a GPU cluster (Ray): see docs/verl.md for the recipe.
 
     verl resumes from its own latest checkpoint under ``<output_dir>/verl`` (``resume_mode = auto``).
     """
@@ -416,7 +416,8 @@ class VerlBackend:
         self.trainer.global_steps = 0
         self.trainer._load_checkpoint()
         self.trainer.sync_weights(self.trainer.global_steps)
-        return self.trainer.replica_addresses()
+        addresses: list[str] = self.trainer.replica_addresses()
+        return addresses
 
     @property
     def policy_version(self) -> int:
@@ -425,7 +426,7 @@ class VerlBackend:
     def update(self, batch: TrainingBatch, step: int) -> dict[str, float]:
         self.trainer.sleep_replicas()
         data = data_proto(batch, temperature=float(self.cfg.actor_rollout_ref.rollout.temperature))
-        metrics = self.trainer.train_on(data, step)
+        metrics: dict[str, float] = self.trainer.train_on(data, step)
         if self.cfg.trainer.save_freq > 0 and step % self.cfg.trainer.save_freq == 0:
             self.trainer._save_checkpoint()
         self.trainer.sync_weights(step)

@@ -37,6 +37,7 @@ from lightning_grpc.server.app import RunningServer, ServerConfig, TlsFiles, sta
 from lightning_grpc.v1 import rollout_pb2, span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
+from tests.helpers import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "clients" / "README.md"
@@ -217,20 +218,14 @@ def workdir(tmp_path: Path) -> Path:
 
 @pytest_asyncio.fixture
 async def store() -> AsyncIterator[RunningServer]:
-    running = await start_server(ServerConfig(port=0, grace=0.5))
-    try:
+    async with serving(ServerConfig(port=0, grace=0.5)) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest_asyncio.fixture
 async def guarded_store() -> AsyncIterator[RunningServer]:
-    running = await start_server(ServerConfig(port=0, grace=0.5, token=TOKEN))
-    try:
+    async with serving(ServerConfig(port=0, grace=0.5, token=TOKEN)) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest.fixture

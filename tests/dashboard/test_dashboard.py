@@ -21,11 +21,11 @@ import pytest
 from lightning_grpc import semconv
 from lightning_grpc.client import StoreClient, TrainerClient
 from lightning_grpc.engine import EngineProcess
-from lightning_grpc.examples.combination_lock import AGENT_REF
-from lightning_grpc.processes import Background, log_field
+from lightning_grpc.processes import Background
 from lightning_grpc.training.loop import run_experiment
 from lightning_grpc.types import RolloutStatus
-from tests.engine_fixtures import CLI, QUIET_ENV, ROOT
+from tests.engine_fixtures import QUIET_ENV, ROOT
+from tests.helpers import start_services
 from tests.training.test_training import experiment
 
 playwright = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")
@@ -71,36 +71,8 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     started: list[Background] = []
     env = {**QUIET_ENV, "LIGHTNING_GRPC_TOKEN": TOKEN, "LIGHTNING_GRPC_ENGINE_ADMIN_KEY": engine.admin_key}
     try:
-        server = Background(
-            "server",
-            [
-                *CLI[1:],
-                "serve",
-                "--port",
-                "0",
-                "--memory",
-                "--proxy-backend",
-                engine.base_url,
-                "--proxy-model-name",
-                "policy",
-                "--proxy-port",
-                "0",
-                "--dashboard-port",
-                "0",
-            ],
-            env,
-        )
-        started.append(server)
-        store = log_field(server.wait_for("event=server_started", timeout=60)[0], "address")
-        proxy = log_field(server.wait_for("event=proxy_started", timeout=60)[0], "http_address")
-        dashboard = log_field(server.wait_for("event=dashboard_started", timeout=60)[0], "http_address")
-        runner = Background(
-            "runner",
-            [*CLI[1:], "runner", AGENT_REF, "--store", store, "--concurrency", "32", "--poll-wait", "1"],
-            env,
-        )
-        started.append(runner)
-        runner.wait_for("event=runner_started", timeout=120)
+        services = start_services(engine.base_url, env, started, dashboard=True)
+        store, proxy, dashboard = services.store, services.proxy, services.dashboard
         config = experiment(
             tmp_path_factory.mktemp("dashboard-run"),
             tiny_model,

@@ -32,12 +32,10 @@ from lightning_grpc.client import StoreClient
 from lightning_grpc.dashboard import DashboardConfig, RunningDashboard, companion, start_dashboard
 from lightning_grpc.dashboard.app import grpc_target
 from lightning_grpc.dashboard.connect import Procedure
-from lightning_grpc.proxy import ProxyConfig
 from lightning_grpc.server.app import RunningServer, ServerConfig, TlsFiles, start_server
-from lightning_grpc.server.proxy_app import start_with_store
 from lightning_grpc.v1 import store_service_pb2
 from tests.conftest import ServerProcess
-from tests.helpers import make_spans
+from tests.helpers import make_spans, serving, serving_with_proxy
 
 TOKEN = "dashboard-s3cret"
 STORE = "/lightning.v1.StoreService"
@@ -85,12 +83,8 @@ def dashboard_companion(
 async def open_server(tmp_path: Path) -> AsyncIterator[Served]:
     started: list[RunningDashboard] = []
     config = ServerConfig(port=0, grace=0.5, companions=(dashboard_companion(started, tmp_path / "none"),))
-    running = await start_server(config)
-    try:
-        async with aiohttp.ClientSession() as http:
-            yield Served(running, started[0], http)
-    finally:
-        await running.stop()
+    async with serving(config) as running, aiohttp.ClientSession() as http:
+        yield Served(running, started[0], http)
 
 
 @pytest_asyncio.fixture
@@ -100,13 +94,8 @@ async def secured(tmp_path: Path) -> AsyncIterator[Served]:
     config = ServerConfig(
         port=0, grace=0.5, token=TOKEN, companions=(dashboard_companion(started, tmp_path / "none"),)
     )
-    running, proxy = await start_with_store(config, ProxyConfig(port=0, backends=[]))
-    try:
-        async with aiohttp.ClientSession() as http:
-            yield Served(running, started[0], http)
-    finally:
-        await proxy.stop(1)
-        await running.stop()
+    async with serving_with_proxy(config) as running, aiohttp.ClientSession() as http:
+        yield Served(running, started[0], http)
 
 
 def error_info(error: dict[str, Any]) -> error_details_pb2.ErrorInfo:

@@ -24,6 +24,7 @@ from lightning_grpc.runner.llm import openai_client
 from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
 from lightning_grpc.types import LLM, Span
 from tests.engine_fixtures import Engine, loopback_guard
+from tests.helpers import serving
 
 TOKEN = "admin-s3cret"
 MESSAGES: Any = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -37,11 +38,8 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
 
 @pytest_asyncio.fixture
 async def store_server() -> AsyncIterator[RunningServer]:
-    running = await start_server(ServerConfig(port=0, grace=1.0, token=TOKEN))
-    try:
+    async with serving(ServerConfig(port=0, grace=1.0, token=TOKEN)) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest_asyncio.fixture

@@ -43,6 +43,7 @@ from lightning_grpc.v1 import (
     trainer_service_pb2,
 )
 from tests.conftest import ROOT
+from tests.helpers import serving_with_proxy
 
 TOKEN = "admin-s3cret"
 SERVICES = (
@@ -57,14 +58,8 @@ METHODS = [(f"/{s.full_name}/{m.name}", m) for s in SERVICES for m in s.methods]
 @pytest_asyncio.fixture
 async def secured() -> AsyncIterator[RunningServer]:
     """The Store with TrainerService, OTLP and ProxyService on one port, with a token."""
-    running, proxy = await start_with_store(
-        ServerConfig(port=0, grace=0.5, token=TOKEN), ProxyConfig(port=0, backends=[])
-    )
-    try:
+    async with serving_with_proxy(ServerConfig(port=0, grace=0.5, token=TOKEN)) as running:
         yield running
-    finally:
-        await proxy.stop(1)
-        await running.stop()
 
 
 def client(server: RunningServer, token: str | None) -> StoreClient:

@@ -20,10 +20,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp_ser
 
 from lightning_grpc import semconv
 from lightning_grpc.logs import OneLineFormatter
-from lightning_grpc.proxy import ProxyConfig
 from lightning_grpc.server.app import RunningServer, ServerConfig
-from lightning_grpc.server.proxy_app import start_with_store
 from lightning_grpc.v1 import proxy_service_pb2, store_service_pb2, trainer_service_pb2
+from tests.helpers import serving_with_proxy
 
 SERVICES = (
     store_service_pb2.DESCRIPTOR.services_by_name["StoreService"],
@@ -40,12 +39,8 @@ GARBAGE = b"\x0a\xff\xff\xff\x0f\x01"
 
 @pytest_asyncio.fixture
 async def everything() -> AsyncIterator[RunningServer]:
-    running, proxy = await start_with_store(ServerConfig(port=0, grace=0.5), ProxyConfig(port=0, backends=[]))
-    try:
+    async with serving_with_proxy(ServerConfig(port=0, grace=0.5)) as running:
         yield running
-    finally:
-        await proxy.stop(1)
-        await running.stop()
 
 
 async def send(address: str, path: str, method: Any, payload: bytes) -> grpc.aio.AioRpcError:

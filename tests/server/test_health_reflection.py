@@ -18,9 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from lightning_grpc.proxy import ProxyConfig
-from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
+from lightning_grpc.server.app import RunningServer, ServerConfig
 from lightning_grpc.server.proxy_app import start_proxy_server
 from lightning_grpc.server.proxy_servicer import PROXY_SERVICE
+from tests.helpers import serving
 
 TOKEN = "admin-s3cret"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -31,20 +32,14 @@ SERVED = {"", STORE, "lightning.v1.TrainerService", "opentelemetry.proto.collect
 
 @pytest_asyncio.fixture
 async def plain() -> AsyncIterator[RunningServer]:
-    running = await start_server(ServerConfig(port=0, grace=0.5))
-    try:
+    async with serving(ServerConfig(port=0, grace=0.5)) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest_asyncio.fixture
 async def guarded() -> AsyncIterator[RunningServer]:
-    running = await start_server(ServerConfig(port=0, grace=0.5, token=TOKEN))
-    try:
+    async with serving(ServerConfig(port=0, grace=0.5, token=TOKEN)) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 def problems(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -20,11 +20,12 @@ from lightning_grpc.cli.train_commands import report
 from lightning_grpc.client import StoreClient
 from lightning_grpc.engine import EngineProcess
 from lightning_grpc.examples.combination_lock import AGENT_REF, train_tasks, val_tasks, write_jsonl
-from lightning_grpc.processes import Background, log_field
+from lightning_grpc.processes import Background
 from lightning_grpc.training.experiment import ConfigError, experiment_from_dict, load_experiment
 from lightning_grpc.training.loop import run_experiment
 from lightning_grpc.types import RolloutMode, RolloutStatus
 from tests.engine_fixtures import CLI, QUIET_ENV
+from tests.helpers import start_services
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -128,33 +129,8 @@ def test_a_run_trains_through_services_already_running(
     monkeypatch.setenv("LIGHTNING_GRPC_ENGINE_ADMIN_KEY", engine.admin_key)
     started: list[Background] = []
     try:
-        server = Background(
-            "server",
-            [
-                *CLI[1:],
-                "serve",
-                "--port",
-                "0",
-                "--memory",
-                "--proxy-backend",
-                engine.base_url,
-                "--proxy-model-name",
-                "policy",
-                "--proxy-port",
-                "0",
-            ],
-            QUIET_ENV,
-        )
-        started.append(server)
-        store = log_field(server.wait_for("event=server_started", timeout=60)[0], "address")
-        proxy = log_field(server.wait_for("event=proxy_started", timeout=60)[0], "http_address")
-        runner = Background(
-            "runner",
-            [*CLI[1:], "runner", AGENT_REF, "--store", store, "--concurrency", "32", "--poll-wait", "1"],
-            QUIET_ENV,
-        )
-        started.append(runner)
-        runner.wait_for("event=runner_started", timeout=120)
+        services = start_services(engine.base_url, QUIET_ENV, started)
+        store, proxy = services.store, services.proxy
         config = experiment(
             tmp_path,
             tiny_model,

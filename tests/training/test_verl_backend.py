@@ -5,7 +5,7 @@ classes; batches from a real TrainerService turned into verl's DataProto and put
 ``compute_advantage`` and ``ppo_loss``, equal to our loop's figures; and the rollout side of the seam
 against the real Store, proxy and embedded engine standing in for a vLLM replica (registered the way
 verl's replica addresses are), giving exactly the ids the engine sampled. What cannot run without
-GPUs: verl's FSDP workers, vLLM and Ray placement (README, "Train on a GPU cluster with verl").
+GPUs: verl's FSDP workers, vLLM and Ray placement (docs/verl.md).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from lightning_grpc.training.verl_backend import (
 from tests.batching.test_trainer_service import Play, run_rollouts
 from tests.e2e.test_trainer_e2e import chat_ids, digit_bias, two_turns
 from tests.engine_fixtures import MODEL, Engine, loopback_guard
-from tests.helpers import reward_span
+from tests.helpers import reward_span, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "combination_lock" / "config.toml"
@@ -108,11 +108,8 @@ def test_the_trainer_seam_is_verls_ray_ppo_trainer() -> None:
 # ================================================================= batches -> verl's step, on CPU
 @pytest_asyncio.fixture
 async def server() -> AsyncIterator[RunningServer]:
-    running = await start_server(ServerConfig(port=0, grace=1.0))
-    try:
+    async with serving(ServerConfig(port=0, grace=1.0)) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 async def a_batch(server: RunningServer) -> Any:

@@ -88,7 +88,7 @@ def test_the_reward_rises_with_vllm_serving_and_two_fsdp_ranks_learning(
 ) -> None:
     """30 sync steps of examples/combination_lock/vllm.toml as it is (vLLM, 2 FSDP ranks placed by Ray): the
     reward rises (measured: 0.22 over the first 3 steps, 0.42 over the last 5; 128 rollouts a step). The
-    whole demo opens the lock in about 105 steps: see the README's "Real engines"."""
+    whole demo opens the lock in about 105 steps: see docs/real-engines.md."""
     settings = {
         "experiment.steps": "30",
     }

@@ -23,7 +23,7 @@ from ..backend import Backend
 from ..state import AttemptState, Change, ResourcesState, RolloutState, Txn, WorkerState
 from .validation import check_timeout
 
-log = logs.get_logger("lightning_grpc.store")
+log = logs.get_logger(__name__)
 
 #: How long a write that frees space (a delete) waits for its commit while the store is full.
 FREEING_PATIENCE = 5.0

@@ -12,7 +12,7 @@ from lightning_grpc.types import DeleteResult, Statistics
 from ..state import Txn
 from .staging import SpanStaging
 
-log = logs.get_logger("lightning_grpc.store")
+log = logs.get_logger(__name__)
 
 
 class HousekeepingSection(SpanStaging):
@@ -40,7 +40,7 @@ class HousekeepingSection(SpanStaging):
 
     async def delete_rollouts(
         self, rollout_ids: Sequence[str] = (), finished_before: float | None = None
-    ) -> DeleteResult:  # type: ignore[assignment]
+    ) -> DeleteResult:
         """Delete finished rollouts (with attempts and spans) by id, or every one that ended before a time.
 
         Taken while the store is full, ahead of the writes held for want of space, so that deleting makes

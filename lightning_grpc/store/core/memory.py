@@ -10,7 +10,7 @@ from ..state import RolloutState, Txn
 from .base import StoreBase
 from .limits import ATTEMPT_OVERHEAD_BYTES, ROLLOUT_OVERHEAD_BYTES
 
-log = logs.get_logger("lightning_grpc.store")
+log = logs.get_logger(__name__)
 
 
 class MemoryBound(StoreBase):

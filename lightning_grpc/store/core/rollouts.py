@@ -39,7 +39,7 @@ from .validation import (
     rollout_statuses,
 )
 
-log = logs.get_logger("lightning_grpc.store")
+log = logs.get_logger(__name__)
 
 
 class RolloutsSection(SpanStaging):

@@ -24,7 +24,7 @@ from .waiting import WaitingSection
 from .watchdog import WatchdogSection
 from .workers import WorkersSection
 
-log = logs.get_logger("lightning_grpc.store")
+log = logs.get_logger(__name__)
 
 
 class Store(

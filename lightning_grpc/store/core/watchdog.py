@@ -11,7 +11,7 @@ from lightning_grpc.types import AttemptStatus
 from ..state import Txn
 from .staging import SpanStaging
 
-log = logs.get_logger("lightning_grpc.store")
+log = logs.get_logger(__name__)
 
 
 class WatchdogSection(SpanStaging):

@@ -1,4 +1,4 @@
-"""Robustness: thousands of generated requests, many of them malformed, against a live server.
+"""Robustness of the store: thousands of generated requests, many of them malformed, against a live server.
 
 ``test_generated_traffic_keeps_the_store_sound`` runs a Hypothesis state machine against one
 ``lightning-grpc serve`` process per backend (in-memory and SQLite) through the raw Protobuf
@@ -16,8 +16,10 @@ negative and out-of-range durations, malformed span ids, oversize spans (the ser
 - the server stays healthy and alive; and afterwards every invariant of the store holds (and, for
   SQLite, still holds with identical contents after a restart on the same file).
 
-The other tests pin, one by one, the boundary cases the state machine reaches, against an
-in-process server of each backend.
+The other tests pin, one by one, the boundary cases the state machine reaches in the store's records
+(span sizes and sequence ids, durations, JSON values, page and resume tokens, huge ids), against an
+in-process server of each backend. The boundary cases of the server's wire (undecodable bytes, waits
+against deadlines) are in tests/server/test_server_robustness.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import collections
 import functools
 import json
 import math
-import re
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -39,71 +40,66 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2, text_format
 from google.protobuf.message import Message
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
-from lightning_grpc.server.app import RunningServer, ServerConfig
 from lightning_grpc.v1 import rollout_pb2, span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
+from tests import robustness_helpers
 from tests.conftest import ServerProcess
-
-ERROR_DOMAIN = "lightning-grpc.dev"
-CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-ALLOWED_CODES = frozenset(
-    {
-        "NOT_FOUND",
-        "INVALID_ARGUMENT",
-        "FAILED_PRECONDITION",
-        "ALREADY_EXISTS",
-        "ABORTED",
-        "RESOURCE_EXHAUSTED",
-        "OUT_OF_RANGE",
-    }
+from tests.robustness_helpers import (
+    ABORTED,
+    ACTIVE_ATTEMPT,
+    ATTEMPT_FAILED,
+    ATTEMPT_PREPARING,
+    ATTEMPT_RUNNING,
+    ATTEMPT_SUCCEEDED,
+    ATTEMPT_TIMEOUT,
+    ATTEMPT_UNRESPONSIVE,
+    BAD_ENUM_NUMBERS,
+    CALL_TIMEOUT,
+    CHANNEL_OPTIONS,
+    CODE_NAMES,
+    EXHAUSTED,
+    EXISTS,
+    HEX16,
+    HEX32,
+    ID_SYNTAX,
+    INT32_MAX,
+    INT32_MIN,
+    INT64_MAX,
+    INVALID,
+    MAX_DURATION_SECONDS,
+    MAX_SPAN_BYTES,
+    NOT_FOUND,
+    OK,
+    OUT_OF_RANGE,
+    PRECONDITION,
+    QUEUED_ROLLOUT,
+    RETRYABLE_ATTEMPT,
+    ROLLOUT_CANCELLED,
+    ROLLOUT_FAILED,
+    ROLLOUT_PREPARING,
+    ROLLOUT_QUEUING,
+    ROLLOUT_REQUEUING,
+    ROLLOUT_RUNNING,
+    ROLLOUT_STATUS_NAMES,
+    ROLLOUT_SUCCEEDED,
+    TERMINAL_ROLLOUT,
+    TRACE_ID,
+    error_shape,
+    outcome,
+    started_attempt,
 )
-OK = "OK"
-NOT_FOUND = "NOT_FOUND"
-INVALID = "INVALID_ARGUMENT"
-PRECONDITION = "FAILED_PRECONDITION"
-EXISTS = "ALREADY_EXISTS"
-ABORTED = "ABORTED"
-EXHAUSTED = "RESOURCE_EXHAUSTED"
-OUT_OF_RANGE = "OUT_OF_RANGE"
 
-MAX_SPAN_BYTES = 4096
+# The in-process server of each backend, with the small span limit, and a raw stub to it.
+server_config = robustness_helpers.server_config
+stub = robustness_helpers.stub
+
 MIN_GENERATED_REQUESTS = 2000
-CALL_TIMEOUT = 15.0
-MESSAGE_LIMIT = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
-    ("grpc.max_send_message_length", MESSAGE_LIMIT),
-]
-INT64_MAX = 2**63 - 1
-INT32_MAX = 2**31 - 1
-INT32_MIN = -(2**31)
-MAX_DURATION_SECONDS = 315_576_000_000  # google.protobuf.Duration's documented range: about 10,000 years
-
-# The documented id syntax: "1-128 characters of letters, digits, '.', '_', ':' or '-', starting
-# with a letter or digit".
-ID_SYNTAX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
-HEX16 = re.compile(r"[0-9a-f]{16}")
-HEX32 = re.compile(r"[0-9a-f]{32}")
-
-# Enum numbers of the contract.
-ROLLOUT_QUEUING, ROLLOUT_PREPARING, ROLLOUT_RUNNING, ROLLOUT_REQUEUING = 1, 2, 3, 4
-ROLLOUT_SUCCEEDED, ROLLOUT_FAILED, ROLLOUT_CANCELLED = 5, 6, 7
-TERMINAL_ROLLOUT = frozenset({ROLLOUT_SUCCEEDED, ROLLOUT_FAILED, ROLLOUT_CANCELLED})
-QUEUED_ROLLOUT = frozenset({ROLLOUT_QUEUING, ROLLOUT_REQUEUING})
-ATTEMPT_PREPARING, ATTEMPT_RUNNING, ATTEMPT_SUCCEEDED, ATTEMPT_FAILED = 1, 2, 3, 4
-ATTEMPT_TIMEOUT, ATTEMPT_UNRESPONSIVE, ATTEMPT_CANCELLED = 5, 6, 7
-ACTIVE_ATTEMPT = frozenset({ATTEMPT_PREPARING, ATTEMPT_RUNNING})
-RETRYABLE_ATTEMPT = frozenset({ATTEMPT_FAILED, ATTEMPT_TIMEOUT, ATTEMPT_UNRESPONSIVE})
-ROLLOUT_STATUS_NAMES = {v.number: v.name for v in rollout_pb2.RolloutStatus.DESCRIPTOR.values}
-BAD_ENUM_NUMBERS = [-1, INT32_MIN, 8, 99, INT32_MAX]
 
 
 # ====================================================================== small helpers
@@ -203,32 +199,6 @@ def pad_span(span: span_pb2.Span, size: int) -> span_pb2.Span:
         span.name = span.name[:-1]
     assert span.ByteSize() == size, (span.ByteSize(), size)
     return span
-
-
-def error_shape(exc: grpc.RpcError, context: str) -> tuple[str, error_details_pb2.ErrorInfo]:
-    """Check a refusal's shape (code, Status, one ErrorInfo, field name); return code and info."""
-    code = exc.code().name  # type: ignore[attr-defined]
-    details = exc.details() or ""  # type: ignore[attr-defined]
-    where = f"{context} -> {code}: {details!r}"
-    assert code in ALLOWED_CODES, f"not a client-error code: {where}"
-    assert "Traceback" not in details, f"traceback in the message: {where}"
-    try:
-        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
-    except ValueError as bad:  # the Status disagrees with the gRPC code
-        raise AssertionError(f"{bad}: {where}") from None
-    assert status is not None, f"no google.rpc.Status in grpc-status-details-bin: {where}"
-    assert status.code == exc.code().value[0], f"Status.code differs from the gRPC code: {where}"  # type: ignore[attr-defined]
-    assert status.message == details, f"Status.message differs from the gRPC details: {where}"
-    assert len(status.details) == 1, f"{len(status.details)} details instead of one ErrorInfo: {where}"
-    info = error_details_pb2.ErrorInfo()
-    assert status.details[0].Unpack(info), f"the detail is not an ErrorInfo: {where}"
-    assert info.domain == ERROR_DOMAIN, f"ErrorInfo domain {info.domain!r}: {where}"
-    assert info.reason, f"empty ErrorInfo reason: {where}"
-    assert "Traceback" not in str(dict(info.metadata)), f"traceback in the ErrorInfo: {where}"
-    if code == INVALID:
-        named = info.metadata.get("field", "")
-        assert named and named in details, f"INVALID_ARGUMENT does not name its field: {where}"
-    return code, info
 
 
 # ====================================================================== the client side of the fuzz
@@ -556,7 +526,6 @@ json_values = st.recursive(
     max_leaves=6,
 )
 NON_FINITE = [math.nan, math.inf, -math.inf]
-TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 BAD_ENUMS = st.sampled_from(BAD_ENUM_NUMBERS)
 ORDERS = st.sampled_from([0, 1, 2, *BAD_ENUM_NUMBERS])  # an unknown sort order is harmless
 short_texts = st.one_of(st.text(max_size=10), st.sampled_from(["", "ü\x00\u202e", "💥" * 20, "g" * 256]))
@@ -2280,36 +2249,6 @@ def test_generated_traffic_keeps_the_store_sound(
 # ====================================================================== boundary cases, one by one
 
 
-@pytest.fixture
-def server_config(backend: str, tmp_path: Path) -> ServerConfig:
-    """The shared in-process server, with the same small span limit as the fuzzed one."""
-    db = tmp_path / "store.db" if backend == "sqlite" else None
-    return ServerConfig(port=0, db=db, grace=1.0, max_span_bytes=MAX_SPAN_BYTES)
-
-
-@pytest.fixture
-async def stub(server: RunningServer) -> Any:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as channel:
-        yield pb_grpc.StoreServiceStub(channel)
-
-
-async def outcome(call: Any) -> tuple[str, Any]:
-    """("OK", response) or (code, ErrorInfo) of an awaited call. A refusal without the required
-    shape (Status, one ErrorInfo of the domain...) is labelled with what is wrong with it."""
-    try:
-        return OK, await call
-    except grpc.aio.AioRpcError as exc:
-        try:
-            return error_shape(exc, "boundary case")
-        except AssertionError as bad:
-            return f"{exc.code().name} [{str(bad).splitlines()[0][:160]}]", None
-
-
-async def started_attempt(stub: Any, rollout_id: str) -> str:
-    response = await stub.StartRollout(pb.StartRolloutRequest(rollout=pb.RolloutSpec(rollout_id=rollout_id)))
-    return str(response.rollout.latest_attempt.attempt_id)
-
-
 def plain_span(span_id: str, sequence_id: int = 0) -> span_pb2.Span:
     return span_pb2.Span(
         span_id=span_id, trace_id="4bf92f3577b34da6a3ce929d0e0e4736", name="s", sequence_id=sequence_id
@@ -2507,26 +2446,6 @@ async def test_tampered_resume_tokens_are_refused(stub: Any) -> None:
     assert not failures, "\n".join(failures)
 
 
-async def test_out_of_range_waits_are_refused_whatever_the_deadline(stub: Any) -> None:
-    """The contract's limits on a wait (0..3600 s) do not depend on whether the caller set a deadline."""
-    failures = []
-    for method in ("DequeueRollouts", "WaitForRollouts"):
-        for wait in [(-1, 0), (0, -1), (3601, 0)]:
-            if method == "DequeueRollouts":
-                request: Any = pb.DequeueRolloutsRequest()
-                request.wait_timeout.seconds, request.wait_timeout.nanos = wait
-            else:
-                request = pb.WaitForRolloutsRequest()
-                request.timeout.seconds, request.timeout.nanos = wait
-            without, _ = await outcome(getattr(stub, method)(request))
-            with_deadline, _ = await outcome(getattr(stub, method)(request, timeout=1))
-            if (without, with_deadline) != (INVALID, INVALID):
-                failures.append(
-                    f"{method} waiting {wait}: {without} without a deadline, {with_deadline} with one"
-                )
-    assert not failures, "\n".join(failures)
-
-
 async def test_refusals_of_huge_ids_keep_their_error_details(stub: Any) -> None:
     """A 20,000-character id is refused with a normal NOT_FOUND and its ErrorInfo: the refusal must
     not echo the id so far that the trailers outgrow what gRPC clients accept (8 KiB by default)."""
@@ -2560,102 +2479,3 @@ async def test_span_times_beyond_2_63_nanoseconds_are_kept(stub: Any) -> None:
     assert [(s.start_time_unix_nano, s.end_time_unix_nano) for s in listed.spans] == [(2**63, 2**64 - 1)]
     code, _ = await outcome(stub.EnqueueRollouts(pb.EnqueueRolloutsRequest(rollouts=[pb.RolloutSpec()])))
     assert code == OK, f"the store stopped accepting writes: {code}"
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(tag: int, payload: bytes) -> bytes:
-    return bytes([tag]) + _varint(len(payload)) + payload
-
-
-def _deep_value(depth: int) -> bytes:
-    value = _field(0x1A, b"x")  # Value.string_value
-    for _ in range(depth):
-        value = _field(0x32, _field(0x0A, value))  # Value.list_value.values[0]
-    return value
-
-
-def _span_bytes(**fields: Any) -> bytes:
-    return span_pb2.Span(trace_id=TRACE_ID, **fields).SerializeToString()
-
-
-MALFORMED_SPANS = {
-    "truncated": _span_bytes(span_id="00000000000000d1", name="cut")[:-2],
-    "bad-utf8-name": _span_bytes(span_id="00000000000000d2") + _field(0x3A, b"\xff\xfe"),
-    "garbage-attributes": _span_bytes(span_id="00000000000000d3") + _field(0x62, b"\xff\xff\xff"),
-    "bad-utf8-attribute": _span_bytes(span_id="00000000000000d4")
-    + _field(0x62, _field(0x0A, b"k") + _field(0x12, _field(0x0A, b"\xc3\x28"))),
-}
-
-
-async def test_malformed_span_bytes_are_refused_and_never_stored(server: RunningServer) -> None:
-    """A span whose bytes are not a valid ``lightning.v1.Span`` is INVALID_ARGUMENT (a refused batch
-    on the stream, which goes on), is not stored, and never makes the rollout's spans unreadable."""
-    failures = []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = pb_grpc.StoreServiceStub(channel)
-        add_spans = channel.unary_unary("/lightning.v1.StoreService/AddSpans")
-        stream = channel.stream_stream("/lightning.v1.StoreService/AddSpansStream")
-        list_spans = channel.unary_unary("/lightning.v1.StoreService/ListSpans")
-        for n, (case, body) in enumerate(MALFORMED_SPANS.items()):
-            rid = f"ro-bytes-{n}"
-            aid = await started_attempt(stub, rid)
-            # AddSpansRequest: rollout_id = 1, attempt_id = 2, spans = 3.
-            request = _field(0x0A, rid.encode()) + _field(0x12, aid.encode()) + _field(0x1A, body)
-            code, _ = await outcome(add_spans(request, timeout=5))
-            if code != INVALID:
-                failures.append(f"AddSpans with a {case} span: {code}")
-            # AddSpansStreamRequest: batch_id = 1, rollout_id = 2, attempt_id = 3, spans = 4.
-            ids = _field(0x12, rid.encode()) + _field(0x1A, aid.encode())
-            good = _span_bytes(span_id="00000000000000e1", name="fine")
-            batches = [b"\x08\x01" + ids + _field(0x22, body), b"\x08\x02" + ids + _field(0x22, good)]
-            acks: list[Any] = []
-
-            async def read_acks(call: Any, into: list[Any] = acks) -> None:
-                async for raw in call:
-                    into.append(pb.AddSpansStreamResponse.FromString(raw))
-
-            code, _ = await outcome(read_acks(stream(iter(batches), timeout=5)))
-            if code != OK:
-                failures.append(f"a {case} span ended the whole AddSpansStream with {code}")
-            elif [(a.batch_id, a.error.code) for a in acks] != [(1, 3), (2, 0)]:
-                failures.append(
-                    f"AddSpansStream with a {case} span acknowledged {[(a.batch_id, a.error.code) for a in acks]}"
-                )
-            selector = pb.SpanSelector(rollout_id=rid)
-            raw = await list_spans(pb.ListSpansRequest(selector=selector).SerializeToString(), timeout=5)
-            try:
-                listed = [s.span_id for s in pb.ListSpansResponse.FromString(raw).spans]
-            except Exception as exc:
-                failures.append(f"after a {case} span, ListSpans answers bytes no client can parse: {exc}")
-                continue
-            if listed not in ([], ["00000000000000e1"]):
-                failures.append(f"after a {case} span, the rollout holds spans {listed}")
-    assert not failures, "\n".join(failures)
-
-
-async def test_undecodable_requests_are_invalid_argument(server: RunningServer) -> None:
-    """Bytes that are not a request message are the client's mistake: INVALID_ARGUMENT with an
-    ErrorInfo, not UNKNOWN or INTERNAL naming a Python exception class."""
-    bodies = {
-        "truncated": b"\x0a\xff\xff\xff\xff\x0f",
-        "bad wire type": b"\x0b",
-        "nested 120 deep": _field(0x0A, _field(0x0A, b"ro-deep") + _field(0x12, _deep_value(120))),
-    }
-    failures = []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        enqueue = channel.unary_unary("/lightning.v1.StoreService/EnqueueRollouts")
-        for case, body in bodies.items():
-            code, _ = await outcome(enqueue(body, timeout=5))
-            if code != INVALID:
-                failures.append(f"EnqueueRollouts with {case} bytes: {code}")
-        stub = pb_grpc.StoreServiceStub(channel)
-        assert (await stub.GetStatistics(pb.GetStatisticsRequest())).total_rollouts == 0
-    assert not failures, "\n".join(failures)
