@@ -90,6 +90,7 @@ def _without_validation(config: Any) -> Any:
 
 def peer(model: Path, steps: int, config_path: Path = CONFIG) -> dict[str, Any]:
     from bench.direct import DirectConfig, run_direct
+    from lightning_grpc.batching.options import Aggregation
     from lightning_grpc.examples.combination_lock import read_jsonl
     from lightning_grpc.training.experiment import load_experiment
 
@@ -100,7 +101,7 @@ def peer(model: Path, steps: int, config_path: Path = CONFIG) -> dict[str, Any]:
         steps=steps,
         tasks_per_step=config.data.batch_size,
         group_size=config.data.group_size,
-        aggregation=config.data.aggregation,  # type: ignore[arg-type]
+        aggregation="trajectory" if config.data.aggregation == Aggregation.TRAJECTORY else "transition",
         lr=config.optim.lr,
         loss_agg_mode=config.ppo.loss_agg_mode,
         temperature=config.sampling.temperature,
