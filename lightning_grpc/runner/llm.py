@@ -17,6 +17,7 @@ with a new client per rollout::
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from typing import Any
 
@@ -26,10 +27,15 @@ from lightning_grpc.types import LLM
 _POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
 
 
+@functools.cache
+def _openai() -> Any:
+    """The openai module, imported once (an agent makes a client per rollout)."""
+    return import_extra("openai", "openai")
+
+
 def shared_http_client() -> Any:
     """The OpenAI SDK's aiohttp-based client of the running event loop (made on first use, then kept)."""
-    openai = import_extra("openai", "openai")
-
+    openai = _openai()
     loop = asyncio.get_running_loop()
     pool = _POOLS.get(loop)
     if pool is None or pool.is_closed:
@@ -50,7 +56,7 @@ def openai_client(llm: LLM, *, max_retries: int = 6, **options: Any) -> Any:
     ``max_retries`` defaults to 6 so that calls refused while the proxy is paused for a weight update
     (HTTP 429 with Retry-After) are retried. Do not close the client: the pool outlives the rollout.
     """
-    openai = import_extra("openai", "openai")
+    openai = _openai()
     return openai.AsyncOpenAI(
         base_url=llm.endpoint,
         api_key=llm.api_key or "unused",
