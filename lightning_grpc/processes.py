@@ -41,7 +41,7 @@ class Background:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                env={**env, PARENT_ENV: str(os.getpid())},
+                env={**env, environment.PARENT_PID: str(os.getpid())},
             )
         except OSError as exc:  # a command that is not there, or not executable
             raise RuntimeError(f"{name}: cannot start {next(iter(args))!r}: {exc.strerror or exc}") from None
@@ -100,7 +100,6 @@ def log_field(line: str, key: str) -> str:
 
 
 #: Set for a child started by :class:`Background`: the pid it stops with (see :func:`stop_with_parent`).
-PARENT_ENV = environment.PARENT_PID
 
 
 def freeze_startup_heap() -> None:
@@ -122,7 +121,7 @@ def stop_with_parent(interval: float = 1.0) -> None:
     A run killed outright (SIGKILL, or SIGTERM before its cleanup) would otherwise leave its engine,
     server and runners serving nobody. Each child checks its parent every ``interval`` seconds.
     """
-    expected = os.environ.pop(PARENT_ENV, "")
+    expected = os.environ.pop(environment.PARENT_PID, "")
     if not expected.isdigit():
         return
 

@@ -54,7 +54,6 @@ from .experiment import ExperimentConfig
 
 log = logs.get_logger(__name__)
 
-VLLM_PYTHON_ENV = environment.VLLM_PYTHON
 #: Where ``make vllm-env`` builds vLLM's environment (the repository root's ``.venv-vllm``).
 DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 
@@ -180,7 +179,7 @@ def vllm_python(configured: str = "") -> str:
     repository's ``.venv-vllm`` (``make vllm-env``), else this interpreter."""
     if configured:
         return configured
-    if python := environment.read(VLLM_PYTHON_ENV):
+    if python := environment.read(environment.VLLM_PYTHON):
         return python
     candidate = DEFAULT_VLLM_VENV / "bin" / "python"
     return str(candidate) if candidate.exists() else sys.executable

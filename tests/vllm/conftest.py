@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from lightning_grpc import environment
 from lightning_grpc.proxy import Backend, LLMProxy, ProxyConfig
 from lightning_grpc.server.app import RunningServer
-from lightning_grpc.training.engines import DEFAULT_VLLM_VENV, VLLM_PYTHON_ENV, VllmEngine
+from lightning_grpc.training.engines import DEFAULT_VLLM_VENV, VllmEngine
 from tests.engine_fixtures import CLI, QUIET_ENV, ROOT, loopback_guard
 
 MODEL = "policy"
@@ -31,16 +32,16 @@ MAX_MODEL_LEN = 512
 
 def vllm_interpreter() -> tuple[str, str]:
     """(the interpreter that has vLLM, "") or ("", why the tests are skipped)."""
-    python = os.environ.get(VLLM_PYTHON_ENV, "")
+    python = os.environ.get(environment.VLLM_PYTHON, "")
     if not python:  # `make test` stays as it is: these run under `make vllm-test`, which names vLLM's Python
         return "", (
-            f"vLLM's tests run under `make vllm-test` (it sets ${VLLM_PYTHON_ENV} to "
+            f"vLLM's tests run under `make vllm-test` (it sets ${environment.VLLM_PYTHON} to "
             f"{DEFAULT_VLLM_VENV / 'bin' / 'python'}, built by `make vllm-env`)"
         )
     if not Path(python).exists():
         return "", (
             f"no vLLM environment ({python} is missing): `make vllm-env` builds .venv-vllm and "
-            f"`make vllm-test` runs these tests (or set ${VLLM_PYTHON_ENV})"
+            f"`make vllm-test` runs these tests (or set ${environment.VLLM_PYTHON})"
         )
     found = subprocess.run(
         [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],

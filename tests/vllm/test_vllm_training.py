@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from lightning_grpc import environment
 from lightning_grpc.processes import model_child_env
 from lightning_grpc.training.engines import (
-    VLLM_PYTHON_ENV,
     VLLM_WORKER_EXTENSION_CLS,
     EngineError,
     VllmEngine,
@@ -48,7 +48,7 @@ def train_vllm_example(vllm_python: str, tmp_path: Path, settings: dict[str, str
             *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")],
         ],
         cwd=ROOT,
-        env={**QUIET_ENV, VLLM_PYTHON_ENV: vllm_python},
+        env={**QUIET_ENV, environment.VLLM_PYTHON: vllm_python},
         capture_output=True,
         text=True,
         timeout=800,
