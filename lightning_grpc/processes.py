@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any
 
 from lightning_grpc import environment
 
@@ -148,3 +150,21 @@ def model_child_env(threads: int) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
+
+
+#: Seconds a starting Ray head waits for its GCS server to publish its port (Ray's own default, 30 s, is short on
+#: a loaded two-core machine; ``RAY_gcs_server_port_wait_time_s`` set by the user wins).
+RAY_GCS_WAIT_S = "120"
+
+
+def start_ray(ray: ModuleType, **options: Any) -> None:
+    """``ray.init(**options)`` with a longer wait for the GCS server, and one more try after a head that did not
+    come up (Ray raises ``RuntimeError`` naming the port file it waited for)."""
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", RAY_GCS_WAIT_S)
+    try:
+        ray.init(**options)
+    except RuntimeError as error:
+        if options.get("address") or "Timed out waiting for file" not in str(error):
+            raise
+        ray.shutdown()
+        ray.init(**options)

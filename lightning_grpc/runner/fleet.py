@@ -17,6 +17,7 @@ from lightning_grpc import environment, logs
 from lightning_grpc._extras import import_extra
 from lightning_grpc.access import Credentials, credential_claims
 from lightning_grpc.errors import LightningError
+from lightning_grpc.processes import start_ray
 
 from .agent import LitAgent, rollout
 from .runner import Runner, default_worker_id, run_forever
@@ -148,7 +149,8 @@ class RayFleet:
         if self._owns_ray:
             root = str(Path.cwd())
             path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-            ray.init(
+            start_ray(
+                ray,
                 address=address,
                 runtime_env={"env_vars": {"PYTHONPATH": path}},
                 include_dashboard=False,

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_grpc._extras import extra_imports
+from lightning_grpc.processes import start_ray
 
 with extra_imports("train"):
     import numpy as np
@@ -363,9 +364,10 @@ class DistributedLearner:
                 "log_to_driver": True,
             }
             if self.ray_address:
-                ray.init(address=self.ray_address, **options)
+                start_ray(ray, address=self.ray_address, **options)
             else:  # one node: loopback only, as many CPUs as ranks (at least 2), a small object store
-                ray.init(
+                start_ray(
+                    ray,
                     num_cpus=max(2, self.ranks),
                     object_store_memory=256 * 1024**2,
                     _node_ip_address="127.0.0.1",

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_grpc.batching.tensors import INDEX_ARRAYS
+from lightning_grpc.processes import start_ray
 
 from .experiment import ConfigError, ExperimentConfig
 
@@ -394,7 +395,7 @@ class VerlBackend:
 
         cfg = self.cfg
         if not ray.is_initialized():
-            ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+            start_ray(ray, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         role = Role.ActorRolloutRef if need_reference_policy(cfg) else Role.ActorRollout
         mapping = {role: ray.remote(ActorRolloutRefWorker)}
         pools = ResourcePoolManager(

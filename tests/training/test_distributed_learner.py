@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_grpc.processes import start_ray
 from lightning_grpc.training import ppo
 from lightning_grpc.training.distributed import DistributedLearner, split_groups_by_tokens
 from lightning_grpc.training.learner import Learner, OptimConfig, UpdateInput
@@ -109,7 +110,8 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     """One small local Ray for the module (the learners find it running and leave it running)."""
-    ray.init(
+    start_ray(
+        ray,
         num_cpus=2,
         include_dashboard=False,
         object_store_memory=256 * 1024**2,
