@@ -14,6 +14,7 @@ import numpy as np
 from lightning_grpc.triplets import (
     AdapterConfig,
     Aggregated,
+    Fallback,
     RolloutTriplets,
     Row,
     rows_from_triplets,
@@ -100,7 +101,10 @@ class BuiltBatch:
     rollouts: list[BatchRollout]
     ragged: Ragged
     drops: Counter[str] = field(default_factory=Counter)
+    #: Row restarts in the rollouts that fell back to one row per call (:attr:`Aggregated.breaks`).
     trajectory_breaks: int = 0
+    #: Rollouts whose trajectory rows fell back to one row per call, by reason (``FallbackReason``).
+    fallbacks: Counter[str] = field(default_factory=Counter)
     #: The span id and policy version of every call of every row, row after row (``calls_per_row`` apart).
     call_span_ids: list[str] = field(default_factory=list)
     call_policy_versions: list[int] = field(default_factory=list)
@@ -256,12 +260,14 @@ def fit_to_limits(row: Row, options: BatchOptions, drops: Counter[str]) -> tuple
 
 @dataclass(frozen=True)
 class Fitted:
-    """A rollout's rows within a batch's options: (row, truncated) each, and the drops counted making them."""
+    """A rollout's rows within a batch's options: (row, truncated) each, the drops counted making them, and
+    why its trajectory rows fell back to one row per call (None when they did not)."""
 
     triplets: RolloutTriplets
     rows: tuple[tuple[Row, bool], ...]
     drops: Counter[str]
     breaks: int
+    fallback: Fallback | None = None
 
 
 def fit_rows(ev: _Evaluated, options: BatchOptions, prepared: PreparedRollouts) -> Fitted:
@@ -275,13 +281,17 @@ def fit_rows(ev: _Evaluated, options: BatchOptions, prepared: PreparedRollouts) 
             kept.append((fitted, truncated))
     if not kept:
         drops[ROLLOUT_WITHOUT_ROWS] += 1
-    return Fitted(ev.triplets, tuple(kept), drops, len(aggregated.breaks))
+    return Fitted(ev.triplets, tuple(kept), drops, len(aggregated.breaks), aggregated.fallback)
 
 
 def _count_adapter_drops(ev: _Evaluated, drops: Counter[str]) -> None:
     for drop in ev.triplets.drops:
-        reason = drop.reason
-        drops[str(getattr(reason, "value", reason))] += 1
+        drops[reason_name(drop.reason)] += 1
+
+
+def reason_name(reason: object) -> str:
+    """A reason as counted: an enum's value, else the string itself."""
+    return str(getattr(reason, "value", reason))
 
 
 async def build_batch(
@@ -330,6 +340,8 @@ def _add_rollout(
     if fitted.drops:
         out.drops.update(fitted.drops)
     out.trajectory_breaks += fitted.breaks
+    if fitted.fallback is not None:
+        out.fallbacks[reason_name(fitted.fallback.reason)] += 1
     kept = fitted.rows
     if not kept:
         return

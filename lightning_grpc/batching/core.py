@@ -92,6 +92,8 @@ class TrainerStatus:
     rows: int
     policy_version: int
     last_event: TrainingEvent | None
+    #: Rollouts whose trajectory rows fell back to one row per call, by reason.
+    fallbacks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,6 +115,7 @@ class TrainerCore:
         self.aggregation = "transition"
         self._preparing: asyncio.Task[None] | None = None
         self.drops: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()
         self.batches = 0
         self.rows = 0
         self.policy_version = 0
@@ -250,6 +253,7 @@ class TrainerCore:
         self.batches += 1
         self.rows += result.batch.row_count
         self.drops.update(result.batch.drops)
+        self.fallbacks.update(result.batch.fallbacks)
         log.info(
             "event=batch_built batch_id=%s groups=%d rows=%d carried_over=%d closed_by_deadline=%s",
             batch_id,
@@ -378,6 +382,7 @@ class TrainerCore:
             rows=self.rows,
             policy_version=self.policy_version,
             last_event=self._events[-1] if self._events else None,
+            fallbacks=dict(self.fallbacks),
         )
 
     async def inspect(self, rollout_id: str, options: BatchOptions | None = None) -> RolloutInspection:

@@ -116,6 +116,9 @@ def triplets_text(report: RolloutTripletReport, decode: Any = None) -> str:
             ],
         )
         parts += ["", "rows:", rows]
+    fallback = report.aggregation_fallback
+    if fallback is not None:
+        parts += ["", f"trajectory fell back to one row per call ({fallback.reason}): {fallback.detail}"]
     if report.drops:
         drops = format_table(
             ["not trained", "call", "span", "detail"],
@@ -162,4 +165,11 @@ def status_text(status: TrainerStatus) -> str:
     parts = [head, "", groups]
     if status.drops:
         parts += ["", format_table(["left out or changed", "count"], sorted(status.drops.items()))]
+    if status.fallbacks:
+        parts += [
+            "",
+            format_table(
+                ["trajectory fell back to per-call rows", "rollouts"], sorted(status.fallbacks.items())
+            ),
+        ]
     return "\n".join(parts)

@@ -27,7 +27,8 @@ from lightning_grpc.batching.tensors import (
     pad,
     padded_outputs,
 )
-from lightning_grpc.triplets import Drop, Triplet
+from lightning_grpc.convert.trainer import aggregation_fallback_from_pb
+from lightning_grpc.triplets import Drop, Fallback, Triplet
 from lightning_grpc.v1 import trainer_service_pb2 as pb
 from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
 
@@ -62,7 +63,11 @@ class TrainingBatch:
     drops: dict[str, int]
     carried_over_groups: int
     closed_by_deadline: bool
+    #: Row restarts in the rollouts whose trajectory rows fell back to one row per call.
     trajectory_breaks: int
+    #: TRAJECTORY aggregation: rollouts whose rows fell back to one row per call, by reason
+    #: (``"prompt_not_extension"``: a later prompt was not a token-exact extension of the earlier turns).
+    fallbacks: dict[str, int] = field(default_factory=dict)
     #: The compact form the batch travelled in (RAGGED layout), else None.
     ragged: Ragged | None = None
     uid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
@@ -108,6 +113,9 @@ class RolloutTripletReport:
     triplets: list[Triplet]
     drops: list[Drop]
     rows: list[dict[str, Any]]
+    #: TRAJECTORY aggregation: why the rows fell back to one row per call (the first call whose prompt did
+    #: not extend the earlier turns, where the ids first differ); None when they did not.
+    aggregation_fallback: Fallback | None = None
 
 
 def _ids(values: Any) -> np.ndarray:
@@ -325,7 +333,8 @@ class TrainerClient:
             mode: The mode of the groups (train, val or test).
             options: All the batch options at once.
             request_id: The id that makes a repeated request return the same batch.
-            aggregation: transition (a row per call) or trajectory (a row per rollout).
+            aggregation: transition (a row per call) or trajectory (a row per agent's chain of calls;
+                one row per call when a prompt does not extend the earlier turns).
             reward_match: Which reward span a call takes: final, first_occurrence or first_sibling.
             reward_dimension: The reward dimension to train on ("": the main one).
             agent_match: A regular expression of the agents whose calls are trained.
@@ -455,6 +464,7 @@ class TrainerClient:
             last_event=convert.training_event_from_pb(resp.last_event)
             if resp.HasField("last_event")
             else None,
+            fallbacks={f.reason: f.count for f in resp.fallbacks},
         )
 
     async def triplets(
@@ -486,7 +496,8 @@ class TrainerClient:
         Args:
             rollout_id: The rollout.
             options: All the batch options at once.
-            aggregation: transition (a row per call) or trajectory (a row per rollout).
+            aggregation: transition (a row per call) or trajectory (a row per agent's chain of calls;
+                one row per call when a prompt does not extend the earlier turns).
             reward_match: Which reward span a call takes: final, first_occurrence or first_sibling.
             reward_dimension: The reward dimension to train on ("": the main one).
             agent_match: A regular expression of the agents whose calls are trained.
@@ -557,6 +568,7 @@ class TrainerClient:
             triplets=[_triplet(m) for m in resp.triplets],
             drops=[Drop(d.reason, d.span_id, d.call_index, d.detail) for d in resp.drops],
             rows=rows,
+            aggregation_fallback=aggregation_fallback_from_pb(resp.aggregation_fallback),
         )
 
 
@@ -662,6 +674,7 @@ class BatchAssembler:
             carried_over_groups=header.carried_over_groups,
             closed_by_deadline=header.closed_by_deadline,
             trajectory_breaks=header.trajectory_breaks,
+            fallbacks={f.reason: f.count for f in header.fallbacks},
             messages=messages,
             ragged=ragged,
             call_span_ids=[s for m in messages for s in m.call_span_ids],

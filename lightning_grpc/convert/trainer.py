@@ -1,4 +1,4 @@
-"""The TrainerService's objects: tensors, batch options and training events."""
+"""The TrainerService's objects: tensors, batch options, training events and aggregation fallbacks."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 from lightning_grpc.batching.core import TrainingEvent
 from lightning_grpc.batching.options import BatchOptions
 from lightning_grpc.errors import InvalidArgumentError
+from lightning_grpc.triplets import Fallback, FallbackReason
 from lightning_grpc.v1 import trainer_service_pb2
 
 from .values import set_ts, ts_to_float
@@ -106,4 +107,30 @@ def training_event_from_pb(m: trainer_service_pb2.TrainingEvent) -> TrainingEven
         policy_version=m.policy_version,
         metrics=dict(m.metrics),
         time=ts_to_float(m.time),
+    )
+
+
+def aggregation_fallback_to_pb(f: Fallback, out: trainer_service_pb2.AggregationFallback) -> None:
+    out.reason = str(getattr(f.reason, "value", f.reason))
+    out.call_index = f.call_index
+    out.span_id = f.span_id
+    out.position = f.position
+    out.expected_token_id = f.expected_token
+    out.actual_token_id = f.actual_token
+    out.detail = f.detail
+
+
+def aggregation_fallback_from_pb(m: trainer_service_pb2.AggregationFallback) -> Fallback | None:
+    """The fallback a message describes; None when it names no reason (the rows did not fall back)."""
+    if not m.reason:
+        return None
+    known = {reason.value: reason for reason in FallbackReason}
+    return Fallback(
+        reason=known.get(m.reason, m.reason),
+        call_index=m.call_index,
+        span_id=m.span_id,
+        position=m.position,
+        expected_token=m.expected_token_id,
+        actual_token=m.actual_token_id,
+        detail=m.detail,
     )

@@ -12,6 +12,7 @@ from lightning_grpc import convert
 from lightning_grpc.batching import BatchOptions, BuiltBatch, GroupSample, Layout, TrainerCore, pad
 from lightning_grpc.batching.batches import SpanReader
 from lightning_grpc.batching.tensors import chunk_bounds, row_bytes
+from lightning_grpc.convert.trainer import aggregation_fallback_to_pb
 from lightning_grpc.store import SpanSelection, Store
 from lightning_grpc.types import RolloutMode, Span
 from lightning_grpc.v1 import span_pb2
@@ -97,6 +98,7 @@ def batch_messages(
             row_count=r.row_count,
         )
     _counts(batch.drops, header.drops)
+    _counts(batch.fallbacks, header.fallbacks)
     calls = np.concatenate(([0], np.cumsum(ragged.calls_per_row, dtype=np.int64))).tolist()
     for i, (start, stop) in enumerate(bounds):
         msg = pb.GetBatchResponse(
@@ -207,6 +209,7 @@ class TrainerServicer(ServicerState, pb_grpc.TrainerServiceServicer):
                 consumed=c.consumed,
             )
         _counts(status.drops, resp.drops)
+        _counts(status.fallbacks, resp.fallbacks)
         if status.last_event is not None:
             convert.training_event_to_pb(status.last_event, resp.last_event)
         return resp
@@ -258,6 +261,8 @@ class TrainerServicer(ServicerState, pb_grpc.TrainerServiceServicer):
             resp.row_prompt_lengths.append(len(row.prompt_ids))
             resp.row_response_lengths.append(len(row.response_ids))
             resp.row_trainable_tokens.append(int(row.response_mask.sum()))
+        if found.rows.fallback is not None:
+            aggregation_fallback_to_pb(found.rows.fallback, resp.aggregation_fallback)
         return resp
 
 

@@ -191,7 +191,11 @@ class DataSection(_Section):
     )
     aggregation: Aggregation = field(
         default=Aggregation.TRANSITION,
-        metadata=_help("A batch row per LLM call (transition) or per rollout (trajectory)."),
+        metadata=_help(
+            "A batch row per LLM call (transition) or per agent's chain of calls (trajectory: observations masked"
+            " out; a rollout whose prompts do not extend its earlier turns token for token falls back to per-call"
+            " rows, counted as trajectory_fallback_<reason>)."
+        ),
     )
     failure_policy: FailurePolicy = field(
         default=FailurePolicy.DROP_ROLLOUT,

@@ -383,6 +383,7 @@ class TrainingRun:
             await self.publish_weights(pause=sync)
         t4 = time.perf_counter()
         metrics.update({f"drop_{reason}": float(count) for reason, count in batch.drops.items()})
+        metrics.update({f"trajectory_fallback_{reason}": float(n) for reason, n in batch.fallbacks.items()})
         metrics.update(
             {
                 "policy_version": float(self.policy_version),

@@ -46,17 +46,26 @@ reward yet (call order decides when a time is missing). ``"first_sibling"``: the
 span's siblings only. Triplets without a reward have ``reward=None``.
 
 **Rows** (:func:`rows_from_triplets`). ``"transition"``: one row per triplet, reward its reward or 0.0.
-``"trajectory"``: consecutive triplets (by call_index) merge while the next prompt starts with the row's
-latest prompt + response, token for token; the prompt tokens after them (observation) join the response
-with mask 0 and logprob 0.0, then the new response with mask 1; the reward is the sum of the calls'
-rewards; otherwise a new row starts and its first call_index goes into :attr:`Aggregated.breaks`. A row's
-logprobs are None when any of its calls has none. Rows with no trainable token are not made (the caller
-counts them from the triplets that appear in no row's ``call_span_ids``).
+``"trajectory"``: the calls of each agent (``Triplet.agent_name``; "" when none names one) form one chain in
+call order, and a chain is one row when every call's prompt starts with the previous call's prompt +
+response, token for token: the prompt tokens after them (the observation: tool outputs, environment text)
+join the response with mask 0 and logprob 0.0, then the new response with mask 1 (the model's own tokens);
+the reward is the sum of the calls' rewards. When any call does not extend its chain (an agent framework
+re-rendered the history), the whole rollout falls back to one row per call, as ``"transition"`` makes them,
+rather than train on a spliced sequence: :attr:`Aggregated.fallback` gives the reason
+(:class:`FallbackReason`, ``"prompt_not_extension"``), the first such call, the first position where its
+prompt differs from the earlier turns and the two token ids there; :attr:`Aggregated.breaks` then holds the
+call_index of every call that starts a row but is not its chain's first (empty when nothing fell back).
+Threads: interleaved calls of two agents make two rows; two threads of one agent (a sub-conversation that
+starts afresh) cannot be told from a re-rendered history, so they fall back (``agent_match`` trains one
+agent; judge calls are excluded before). A row's logprobs are None when any of its calls has none. Rows
+with no trainable token are not made (the caller counts them from the triplets that appear in no row's
+``call_span_ids``).
 """
 
 from .config import AGGREGATIONS, REWARD_MATCHES, AdapterConfig
 from .from_spans import triplets_from_spans
-from .records import CALL_DROP_REASONS, Drop, DropReason, RolloutTriplets, Triplet
+from .records import CALL_DROP_REASONS, Drop, DropReason, Fallback, FallbackReason, RolloutTriplets, Triplet
 from .rows import Aggregated, Row, rows_from_triplets
 
 __all__ = [
@@ -67,6 +76,8 @@ __all__ = [
     "Aggregated",
     "Drop",
     "DropReason",
+    "Fallback",
+    "FallbackReason",
     "RolloutTriplets",
     "Row",
     "Triplet",

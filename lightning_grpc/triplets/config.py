@@ -13,8 +13,9 @@ REWARD_MATCHES = ("final", "first_occurrence", "first_sibling")
 class AdapterConfig:
     """The adapter's choices; invalid values raise ValueError when the config is made.
 
-    * ``aggregation``: ``"transition"`` (one row per call) or ``"trajectory"`` (consecutive calls whose
-      prompts extend each other merge into one row).
+    * ``aggregation``: ``"transition"`` (one row per call) or ``"trajectory"`` (each agent's calls merge
+      into one row when every prompt extends the previous prompt + response token for token; otherwise the
+      rollout falls back to one row per call, with the reason).
     * ``reward_match``: ``"final"`` (the rollout's final reward goes to its last trained call),
       ``"first_occurrence"`` or ``"first_sibling"`` (each reward span goes to the latest earlier finished
       unrewarded call; with ``first_sibling`` only to a call that is its sibling in the trace tree).

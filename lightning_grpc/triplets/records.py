@@ -79,3 +79,26 @@ class RolloutTriplets:
     drops: list[Drop] = field(default_factory=list)
     reward: float | None = None
     calls: int = 0
+
+
+class FallbackReason(enum.StrEnum):
+    """Why a rollout's trajectory rows fell back to one row per call (transition rows)."""
+
+    #: A call's prompt does not start with its chain's previous prompt + response, token for token (an agent
+    #: framework re-rendered the history: re-serialized tool-call arguments, a dropped reasoning part, ...).
+    PROMPT_NOT_EXTENSION = "prompt_not_extension"
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Why trajectory aggregation gave up on a rollout: the first call (in call order) that did not extend
+    its chain, the first position where its prompt differs from the earlier turns, the two token ids there
+    (``actual_token`` is -1 when the prompt ended before), and a readable detail naming all of it."""
+
+    reason: FallbackReason | str
+    call_index: int
+    span_id: str
+    position: int
+    expected_token: int
+    actual_token: int
+    detail: str

@@ -1,7 +1,9 @@
-"""Triplets -> training rows: one row per call (transition), or consecutive calls merged (trajectory)."""
+"""Triplets -> training rows: one row per call (transition), or each agent's calls merged into one row while
+every prompt extends the turns before it token for token (trajectory; else one row per call, with the reason)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,8 +12,8 @@ from functools import cached_property
 import numpy as np
 
 from .config import check_aggregation
-from .records import Triplet
-from .tokens import logprobs_from, starts_with
+from .records import Fallback, FallbackReason, Triplet
+from .tokens import first_difference, logprobs_from
 
 
 @dataclass(eq=False)
@@ -36,37 +38,93 @@ class Row:
 
 @dataclass(eq=False)
 class Aggregated:
-    """The rows made, and the call_index of each call where a trajectory row had to restart."""
+    """The rows made; the call_index of each call that started a row but is not the first call of its chain
+    (``breaks``: in trajectory mode only a rollout that fell back has any); and, in trajectory mode, why the
+    rollout fell back to one row per call (``fallback``, None when its chains held)."""
 
     rows: list[Row] = field(default_factory=list)
     breaks: list[int] = field(default_factory=list)
+    fallback: Fallback | None = None
 
 
 def rows_from_triplets(triplets: Sequence[Triplet], aggregation: str) -> Aggregated:
     """The rows of one rollout's triplets, in call order. Rows with no trainable token are not made.
 
-    Trajectory: a call merges into the current row when its prompt starts with the row's latest prompt and
-    response; the prompt tokens after them (the observation) join the response with mask 0 and logprob 0,
-    then the call's response with mask 1. Otherwise the row ends and a new one starts (a break).
+    Trajectory: the calls of each agent (``Triplet.agent_name``) form one chain, in call order; a chain is
+    one row when each call's prompt starts with the previous call's prompt and response, token for token:
+    the prompt tokens after them (the observation) join the response with mask 0 and logprob 0, then the
+    call's response with mask 1. When any call does not extend its chain, the whole rollout falls back to
+    one row per call and ``fallback`` says which call and where its prompt first differs.
     """
     check_aggregation(aggregation)
     ordered = sorted(triplets, key=lambda triplet: triplet.call_index)
     if aggregation == "transition":
-        rows = [row_of_call(triplet) for triplet in ordered]
-        return Aggregated(rows=[row for row in rows if row.trainable_tokens], breaks=[])
-    aggregated = Aggregated()
-    current: TrajectoryRow | None = None
+        return Aggregated(rows=rows_of_calls(ordered))
+    chains = chains_by_agent(ordered)
+    fallback = first_fallback(chains)
+    if fallback is not None:
+        restarts = sorted(triplet.call_index for chain in chains for triplet in chain[1:])
+        return Aggregated(rows=rows_of_calls(ordered), breaks=restarts, fallback=fallback)
+    rows = [row_of_chain(chain) for chain in chains]
+    return Aggregated(rows=[row for row in rows if row.trainable_tokens])
+
+
+def rows_of_calls(ordered: Sequence[Triplet]) -> list[Row]:
+    rows = [row_of_call(triplet) for triplet in ordered]
+    return [row for row in rows if row.trainable_tokens]
+
+
+def chains_by_agent(ordered: Sequence[Triplet]) -> list[list[Triplet]]:
+    """The calls of each agent, in call order; the chains ordered by their first call."""
+    chains: dict[str, list[Triplet]] = {}
     for triplet in ordered:
-        if current is not None and current.is_continued_by(triplet):
-            current.extend(triplet)
-            continue
-        if current is not None:
-            aggregated.breaks.append(triplet.call_index)
-            current.emit_into(aggregated.rows)
-        current = TrajectoryRow(triplet)
-    if current is not None:
-        current.emit_into(aggregated.rows)
-    return aggregated
+        chains.setdefault(triplet.agent_name, []).append(triplet)
+    return list(chains.values())
+
+
+def first_fallback(chains: Sequence[Sequence[Triplet]]) -> Fallback | None:
+    """The earliest call (in call order) whose prompt does not extend its chain, as a Fallback."""
+    found = [fallback for chain in chains if (fallback := chain_fallback(chain)) is not None]
+    return min(found, key=lambda fallback: fallback.call_index, default=None)
+
+
+def chain_fallback(chain: Sequence[Triplet]) -> Fallback | None:
+    for previous, triplet in itertools.pairwise(chain):
+        expected = np.concatenate((ids_of(previous.prompt_ids), ids_of(previous.response_ids)))
+        prompt = ids_of(triplet.prompt_ids)
+        position = first_difference(prompt, expected)
+        if position is not None:
+            return prompt_not_extension(previous, triplet, prompt, expected, position)
+    return None
+
+
+def prompt_not_extension(
+    previous: Triplet, triplet: Triplet, prompt: np.ndarray, expected: np.ndarray, position: int
+) -> Fallback:
+    expected_token = int(expected[position])
+    actual_token = int(prompt[position]) if position < len(prompt) else -1
+    found = f"token {actual_token}" if actual_token >= 0 else "the end of the prompt"
+    detail = (
+        f"call {triplet.call_index} (span {triplet.span_id}): its prompt differs from call "
+        f"{previous.call_index}'s prompt + response at position {position}: {found} where "
+        f"{expected_token} was expected"
+    )
+    return Fallback(
+        FallbackReason.PROMPT_NOT_EXTENSION,
+        triplet.call_index,
+        triplet.span_id,
+        position,
+        expected_token,
+        actual_token,
+        detail,
+    )
+
+
+def row_of_chain(chain: Sequence[Triplet]) -> Row:
+    row = TrajectoryRow(chain[0])
+    for triplet in chain[1:]:
+        row.extend(triplet)
+    return row.row()
 
 
 def ids_of(value: np.ndarray) -> np.ndarray:
@@ -95,7 +153,7 @@ def row_of_call(triplet: Triplet) -> Row:
 
 
 class TrajectoryRow:
-    """A row being built from consecutive calls; pieces are joined once, when it is emitted."""
+    """A row being built from a chain's calls; pieces are joined once, when it is made."""
 
     def __init__(self, first: Triplet) -> None:
         self.prompt = ids_of(first.prompt_ids)
@@ -110,9 +168,6 @@ class TrajectoryRow:
         self.last = first
         self.span_ids = [first.span_id]
         self.versions = [first.policy_version]
-
-    def is_continued_by(self, triplet: Triplet) -> bool:
-        return starts_with(ids_of(triplet.prompt_ids), self.last_prompt, self.last_response)
 
     def extend(self, triplet: Triplet) -> None:
         prompt = ids_of(triplet.prompt_ids)
@@ -131,20 +186,15 @@ class TrajectoryRow:
         self.span_ids.append(triplet.span_id)
         self.versions.append(triplet.policy_version)
 
-    def emit_into(self, rows: list[Row]) -> None:
-        mask = np.concatenate(self.masks)
-        if not mask.any():
-            return
-        rows.append(
-            Row(
-                prompt_ids=self.prompt,
-                response_ids=np.concatenate(self.responses),
-                response_mask=mask,
-                logprobs=np.concatenate(self.logprobs) if self.logprobs is not None else None,
-                reward=math.fsum(reward for reward in self.rewards if reward is not None),
-                turn_index=self.first.call_index,
-                call_span_ids=self.span_ids,
-                policy_versions=self.versions,
-                finish_reason=self.last.finish_reason,
-            )
+    def row(self) -> Row:
+        return Row(
+            prompt_ids=self.prompt,
+            response_ids=np.concatenate(self.responses),
+            response_mask=np.concatenate(self.masks),
+            logprobs=np.concatenate(self.logprobs) if self.logprobs is not None else None,
+            reward=math.fsum(reward for reward in self.rewards if reward is not None),
+            turn_index=self.first.call_index,
+            call_span_ids=self.span_ids,
+            policy_versions=self.versions,
+            finish_reason=self.last.finish_reason,
         )

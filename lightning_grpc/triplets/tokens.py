@@ -51,3 +51,13 @@ def starts_with(ids: np.ndarray, *parts: np.ndarray) -> bool:
             return False
         offset = end
     return True
+
+
+def first_difference(ids: np.ndarray, expected: np.ndarray) -> int | None:
+    """The first position where ``ids`` does not begin with ``expected`` (``len(ids)`` when ``ids`` ends
+    first), or None when it begins with all of it."""
+    shared = min(len(ids), len(expected))
+    differing = np.flatnonzero(ids[:shared] != expected[:shared])
+    if differing.size:
+        return int(differing[0])
+    return None if len(ids) >= len(expected) else shared

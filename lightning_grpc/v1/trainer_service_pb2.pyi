@@ -62,8 +62,9 @@ class _AggregationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Aggregati
     AGGREGATION_TRANSITION: _Aggregation.ValueType  # 1
     """One row per LLM call."""
     AGGREGATION_TRAJECTORY: _Aggregation.ValueType  # 2
-    """Consecutive calls merge into one row while each prompt extends the previous prompt + response
-    token for token; the inserted observation tokens are in the response with response_mask 0.
+    """Each agent's calls merge into one row while each prompt extends the previous prompt + response
+    token for token; the inserted observation tokens are in the response with response_mask 0. When a
+    prompt does not extend them, the rollout falls back to one row per call (counted in fallbacks).
     """
 
 class Aggregation(_Aggregation, metaclass=_AggregationEnumTypeWrapper):
@@ -74,8 +75,9 @@ AGGREGATION_UNSPECIFIED: Aggregation.ValueType  # 0
 AGGREGATION_TRANSITION: Aggregation.ValueType  # 1
 """One row per LLM call."""
 AGGREGATION_TRAJECTORY: Aggregation.ValueType  # 2
-"""Consecutive calls merge into one row while each prompt extends the previous prompt + response
-token for token; the inserted observation tokens are in the response with response_mask 0.
+"""Each agent's calls merge into one row while each prompt extends the previous prompt + response
+token for token; the inserted observation tokens are in the response with response_mask 0. When a
+prompt does not extend them, the rollout falls back to one row per call (counted in fallbacks).
 """
 Global___Aggregation: _TypeAlias = Aggregation  # noqa: Y015
 
@@ -593,6 +595,7 @@ class BatchHeader(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     PAD_TOKEN_ID_FIELD_NUMBER: _builtins.int
     CHUNK_COUNT_FIELD_NUMBER: _builtins.int
+    FALLBACKS_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.str
     row_count: _builtins.int
     prompt_length: _builtins.int
@@ -605,7 +608,9 @@ class BatchHeader(_message.Message):
     closed_by_deadline: _builtins.bool
     """True when the wait ended with fewer than min_groups."""
     trajectory_breaks: _builtins.int
-    """Trajectory rows that had to restart because a prompt did not extend the context."""
+    """Trajectory rows that had to restart because a prompt did not extend the context: in each rollout that
+    fell back to one row per call (see fallbacks), every call that is not the first of its agent's chain.
+    """
     layout: Global___BatchLayout.ValueType
     pad_token_id: _builtins.int
     chunk_count: _builtins.int
@@ -617,6 +622,12 @@ class BatchHeader(_message.Message):
     @_builtins.property
     def drops(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReasonCount]:
         """What was left out or changed, by reason."""
+
+    @_builtins.property
+    def fallbacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReasonCount]:
+        """TRAJECTORY aggregation: rollouts whose rows fell back to one row per call, by reason
+        ("prompt_not_extension": a later prompt was not a token-exact extension of the earlier turns).
+        """
 
     def __init__(
         self,
@@ -634,10 +645,11 @@ class BatchHeader(_message.Message):
         layout: Global___BatchLayout.ValueType = ...,
         pad_token_id: _builtins.int = ...,
         chunk_count: _builtins.int = ...,
+        fallbacks: _abc.Iterable[Global___ReasonCount] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "carried_over_groups", b"carried_over_groups", "chunk_count", b"chunk_count", "closed_by_deadline", b"closed_by_deadline", "drops", b"drops", "group_ids", b"group_ids", "layout", b"layout", "pad_token_id", b"pad_token_id", "prompt_length", b"prompt_length", "response_length", b"response_length", "rollouts", b"rollouts", "row_count", b"row_count", "trajectory_breaks", b"trajectory_breaks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "carried_over_groups", b"carried_over_groups", "chunk_count", b"chunk_count", "closed_by_deadline", b"closed_by_deadline", "drops", b"drops", "fallbacks", b"fallbacks", "group_ids", b"group_ids", "layout", b"layout", "pad_token_id", b"pad_token_id", "prompt_length", b"prompt_length", "response_length", b"response_length", "rollouts", b"rollouts", "row_count", b"row_count", "trajectory_breaks", b"trajectory_breaks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -959,6 +971,7 @@ class GetTrainerStatusResponse(_message.Message):
     ROWS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     LAST_EVENT_FIELD_NUMBER: _builtins.int
+    FALLBACKS_FIELD_NUMBER: _builtins.int
     batches: _builtins.int
     rows: _builtins.int
     policy_version: _builtins.int
@@ -972,6 +985,10 @@ class GetTrainerStatusResponse(_message.Message):
     def last_event(self) -> Global___TrainingEvent:
         """The last reported step, if any."""
 
+    @_builtins.property
+    def fallbacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReasonCount]:
+        """Since the server started: rollouts whose trajectory rows fell back to one row per call, by reason."""
+
     def __init__(
         self,
         *,
@@ -981,10 +998,11 @@ class GetTrainerStatusResponse(_message.Message):
         rows: _builtins.int = ...,
         policy_version: _builtins.int = ...,
         last_event: Global___TrainingEvent | None = ...,
+        fallbacks: _abc.Iterable[Global___ReasonCount] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_event", b"last_event"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "drops", b"drops", "groups", b"groups", "last_event", b"last_event", "policy_version", b"policy_version", "rows", b"rows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "drops", b"drops", "fallbacks", b"fallbacks", "groups", b"groups", "last_event", b"last_event", "policy_version", b"policy_version", "rows", b"rows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1107,6 +1125,51 @@ class Drop(_message.Message):
 Global___Drop: _TypeAlias = Drop  # noqa: Y015
 
 @_typing.final
+class AggregationFallback(_message.Message):
+    """Why TRAJECTORY aggregation made one row per call of a rollout instead of one row per agent's chain."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    CALL_INDEX_FIELD_NUMBER: _builtins.int
+    SPAN_ID_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    EXPECTED_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    ACTUAL_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """"prompt_not_extension": a call's prompt does not start with its chain's previous prompt + response."""
+    call_index: _builtins.int
+    """The first such call (its call_index among the trained calls) and its span."""
+    span_id: _builtins.str
+    position: _builtins.int
+    """The first position where the call's prompt differs from the earlier turns, and the token ids there:
+    the earlier turns' (expected) and the prompt's (actual; -1 when the prompt ended before).
+    """
+    expected_token_id: _builtins.int
+    actual_token_id: _builtins.int
+    detail: _builtins.str
+    """All of the above in words."""
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        call_index: _builtins.int = ...,
+        span_id: _builtins.str = ...,
+        position: _builtins.int = ...,
+        expected_token_id: _builtins.int = ...,
+        actual_token_id: _builtins.int = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actual_token_id", b"actual_token_id", "call_index", b"call_index", "detail", b"detail", "expected_token_id", b"expected_token_id", "position", b"position", "reason", b"reason", "span_id", b"span_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AggregationFallback: _TypeAlias = AggregationFallback  # noqa: Y015
+
+@_typing.final
 class GetTripletsResponse(_message.Message):
     """Response of GetTriplets."""
 
@@ -1123,6 +1186,7 @@ class GetTripletsResponse(_message.Message):
     ROW_RESPONSE_LENGTHS_FIELD_NUMBER: _builtins.int
     ROW_TRAINABLE_TOKENS_FIELD_NUMBER: _builtins.int
     CALLS_FIELD_NUMBER: _builtins.int
+    AGGREGATION_FALLBACK_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     attempt_id: _builtins.str
     status: _rollout_pb2.RolloutStatus.ValueType
@@ -1144,6 +1208,10 @@ class GetTripletsResponse(_message.Message):
     def row_response_lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def row_trainable_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def aggregation_fallback(self) -> Global___AggregationFallback:
+        """TRAJECTORY aggregation: set when the rows fell back to one row per call, and why."""
+
     def __init__(
         self,
         *,
@@ -1158,10 +1226,11 @@ class GetTripletsResponse(_message.Message):
         row_response_lengths: _abc.Iterable[_builtins.int] | None = ...,
         row_trainable_tokens: _abc.Iterable[_builtins.int] | None = ...,
         calls: _builtins.int = ...,
+        aggregation_fallback: Global___AggregationFallback | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "reward", b"reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "aggregation_fallback", b"aggregation_fallback", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "attempt_id", b"attempt_id", "calls", b"calls", "drops", b"drops", "reward", b"reward", "rollout_id", b"rollout_id", "row_prompt_lengths", b"row_prompt_lengths", "row_response_lengths", b"row_response_lengths", "row_trainable_tokens", b"row_trainable_tokens", "rows", b"rows", "status", b"status", "triplets", b"triplets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "aggregation_fallback", b"aggregation_fallback", "attempt_id", b"attempt_id", "calls", b"calls", "drops", b"drops", "reward", b"reward", "rollout_id", b"rollout_id", "row_prompt_lengths", b"row_prompt_lengths", "row_response_lengths", b"row_response_lengths", "row_trainable_tokens", b"row_trainable_tokens", "rows", b"rows", "status", b"status", "triplets", b"triplets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
     _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015

@@ -395,6 +395,46 @@ async def test_length_limits_truncate_or_drop_and_count(trainer: TrainerClient, 
     assert cut.drops["truncated_prompt"] == 1
 
 
+# ================================================================= trajectory aggregation
+TASK, CALL_1, RESULT_1, CALL_2, RESULT_2, ANSWER = [1, 2], [3, 4], [50, 51], [5, 6], [52], [7, 8]
+
+
+def tool_turns(third_prompt_shows_call_2_as: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Two tool calls answered by tool results, then the answer; the third prompt shows call 2 as given."""
+    second = TASK + CALL_1 + RESULT_1
+    return [(TASK, CALL_1), (second, CALL_2), (second + third_prompt_shows_call_2_as + RESULT_2, ANSWER)]
+
+
+async def test_a_re_rendered_history_falls_back_to_calls_and_is_counted_in_the_batch_and_the_triplets(
+    trainer: TrainerClient, client: StoreClient
+) -> None:
+    [group] = await trainer.submit_groups(["a"], 2)
+    exact, re_rendered = group.rollout_ids
+    plays = {exact: Play(calls=tool_turns(CALL_2)), re_rendered: Play(calls=tool_turns([5, 9]))}
+    await run_rollouts(client, plays, 2)
+    batch = await trainer.get_batch(aggregation="trajectory", pad_token_id=0)
+    assert batch.fallbacks == {"prompt_not_extension": 1} and batch.trajectory_breaks == 2
+    assert [(r.rollout_id, r.row_count) for r in batch.rollouts] == [(exact, 1), (re_rendered, 3)]
+    assert batch.arrays["responses"][0].tolist() == CALL_1 + RESULT_1 + CALL_2 + RESULT_2 + ANSWER
+    assert batch.arrays["response_mask"][0].tolist() == [1, 1, 0, 0, 1, 1, 0, 1, 1]  # tool results: 0
+    assert [len(row.call_span_ids) for row in batch.rows] == [3, 1, 1, 1]
+    per_call = batch.arrays["response_mask"][1:].sum(axis=1).tolist()
+    assert per_call == [2, 2, 2]  # each call's own response only: nothing spliced
+    status = await trainer.status()
+    assert status.fallbacks == {"prompt_not_extension": 1}
+    report = await trainer.triplets(re_rendered, aggregation="trajectory")
+    fallback = report.aggregation_fallback
+    assert fallback is not None and (fallback.reason, fallback.call_index) == ("prompt_not_extension", 2)
+    assert (fallback.position, fallback.expected_token, fallback.actual_token) == (7, 6, 9)
+    assert (
+        fallback.detail.startswith("call 2 (span ")
+        and "position 7: token 9 where 6 was expected" in fallback.detail
+    )
+    assert len(report.rows) == 3
+    assert (await trainer.triplets(exact, aggregation="trajectory")).aggregation_fallback is None
+    assert (await trainer.triplets(re_rendered, aggregation="transition")).aggregation_fallback is None
+
+
 # ================================================================= steps and status
 async def test_steps_are_reported_watched_and_resumed(trainer: TrainerClient) -> None:
     first = await trainer.report_step(1, 1, {"reward_mean": 0.5}, run_id="exp")
@@ -524,19 +564,20 @@ def test_cli_shows_a_rollouts_triplets_and_the_trainer_status(server_process: ty
 
     process = server_process("--port", "0", "--memory").start()
 
-    async def prepare() -> str:
+    async def prepare() -> tuple[str, str]:
         async with TrainerClient(process.address) as trainer, StoreClient(process.address) as store:
             [group] = await trainer.submit_groups(["a"], 2)
             plays = {
                 group.rollout_ids[0]: Play(
                     calls=[([1, 2], [3, 4]), ([1, 2], [3, 4]), ([1, 2, 3, 4, 9], [5])]
                 ),
+                group.rollout_ids[1]: Play(calls=tool_turns([5, 9])),
             }
             await run_rollouts(store, plays, 2)
-            await trainer.get_batch()
-            return group.rollout_ids[0]
+            await trainer.get_batch(aggregation="trajectory")
+            return group.rollout_ids[0], group.rollout_ids[1]
 
-    rollout_id = asyncio.run(prepare())
+    rollout_id, re_rendered = asyncio.run(prepare())
     cli = [sys.executable, "-m", "lightning_grpc.cli.main"]
     shown = subprocess.run(
         [*cli, "triplets", rollout_id, "--store", process.address, "--aggregation", "trajectory"],
@@ -547,12 +588,23 @@ def test_cli_shows_a_rollouts_triplets_and_the_trainer_status(server_process: ty
     assert shown.returncode == 0, shown.stderr
     out = shown.stdout
     assert rollout_id in out and "llm calls:" in out and "duplicate_call" in out
-    assert "rows:" in out and "reward:" in out
+    assert "rows:" in out and "reward:" in out and "fell back" not in out
+    fell_back = subprocess.run(
+        [*cli, "triplets", re_rendered, "--store", process.address, "--aggregation", "trajectory"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert fell_back.returncode == 0, fell_back.stderr
+    assert "trajectory fell back to one row per call (prompt_not_extension): call 2 (span" in fell_back.stdout
     status = subprocess.run(
         [*cli, "trainer", "status", "--store", process.address], capture_output=True, text=True, timeout=60
     )
     assert status.returncode == 0, status.stderr
     assert "consumed" in status.stdout and "batches:" in status.stdout
+    assert (
+        "trajectory fell back to per-call rows" in status.stdout and "prompt_not_extension" in status.stdout
+    )
     missing = subprocess.run(
         [*cli, "triplets", "ro-nope", "--store", process.address], capture_output=True, text=True, timeout=60
     )

@@ -281,8 +281,9 @@ def test_direct_runs_repeat_exactly(tiny_model: Path) -> None:
 
 
 def test_rows_as_the_trainer_makes_them(tiny_model: Path) -> None:
-    """Transition: one row per call; trajectory: calls merged into one row per rollout unless the
-    re-rendered prompt breaks the prefix. The same response tokens are trained either way."""
+    """Transition: one row per call; trajectory: calls merged into one row per rollout, or one row per call
+    (a fallback, its extra rows counted as breaks) when a re-rendered prompt breaks the prefix. The same
+    response tokens are trained either way."""
     from bench.direct import (
         DirectGenerator,
         Sampling,

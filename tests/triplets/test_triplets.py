@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -14,6 +15,7 @@ from lightning_grpc.triplets import (
     AdapterConfig,
     Drop,
     DropReason,
+    FallbackReason,
     RolloutTriplets,
     Triplet,
     rows_from_triplets,
@@ -714,40 +716,98 @@ def test_trajectory_merges_calls_whose_prompt_extends_the_last_turn() -> None:
     assert row.trainable_tokens == 5
 
 
-def test_trajectory_restarts_where_a_prompt_does_not_continue_and_records_the_break() -> None:
-    triplets = [
-        triplet(0, [1, 2], [3], [-1.0], reward=0.25),
-        triplet(1, [1, 2, 3, 4], [5], [-2.0]),
-        triplet(2, [1, 2, 9], [6], [-3.0]),  # a rewritten history: no prefix match
-        triplet(3, [1, 2, 9, 6], [7, 8], [-4.0, -5.0], reward=0.5),
+SYSTEM_AND_TASK = [100, 101, 102]
+TOOL_CALL_1, TOOL_RESULT_1 = [200, 201], [300, 301, 302]
+TOOL_CALL_2, TOOL_RESULT_2 = [202, 203], [303]
+ANSWER = [204, 205, 206]
+
+
+def tool_conversation(third_prompt_renders_call_2_as: list[int] = TOOL_CALL_2) -> list[Span]:
+    """Three calls of one agent: two tool calls, each answered by a tool result, then the answer."""
+    second_prompt = SYSTEM_AND_TASK + TOOL_CALL_1 + TOOL_RESULT_1
+    third_prompt = second_prompt + third_prompt_renders_call_2_as + TOOL_RESULT_2
+    return [
+        llm("c0", SYSTEM_AND_TASK, TOOL_CALL_1, logprobs=[-0.5, -0.25], times=(10, 20), finish="tool_calls"),
+        llm("c1", second_prompt, TOOL_CALL_2, logprobs=[-1.0, -0.75], times=(30, 40), finish="tool_calls"),
+        llm("c2", third_prompt, ANSWER, logprobs=[-0.125, -2.0, -4.0], times=(50, 60)),
+        reward("r", 1.0, times=(70, 71)),
     ]
-    aggregated = rows_from_triplets(triplets, "trajectory")
-    assert aggregated.breaks == [2]
-    first, second = aggregated.rows
-    assert (first.prompt_ids.tolist(), first.response_ids.tolist(), first.response_mask.tolist()) == (
-        [1, 2],
-        [3, 4, 5],
-        [1, 0, 1],
-    )
-    assert first.logprobs is not None and first.logprobs.tolist() == [-1.0, 0.0, -2.0]
-    assert (first.reward, first.turn_index, first.call_span_ids, first.finish_reason) == (
-        0.25,
-        0,
-        ["s0", "s1"],
-        "f1",
-    )
-    assert (second.prompt_ids.tolist(), second.response_ids.tolist(), second.response_mask.tolist()) == (
-        [1, 2, 9],
-        [6, 7, 8],
-        [1, 1, 1],
-    )
-    assert second.logprobs is not None and second.logprobs.tolist() == [-3.0, -4.0, -5.0]
-    assert (second.reward, second.turn_index, second.call_span_ids, second.policy_versions) == (
-        0.5,
+
+
+def test_a_tool_conversation_whose_prompts_extend_exactly_is_one_row_with_tool_results_masked_out() -> None:
+    result = triplets_from_spans(tool_conversation(), AdapterConfig(aggregation="trajectory"))
+    aggregated = rows_from_triplets(result.triplets, "trajectory")
+    assert (aggregated.fallback, aggregated.breaks) == (None, [])
+    (row,) = aggregated.rows
+    assert row.prompt_ids.tolist() == SYSTEM_AND_TASK
+    assert row.response_ids.tolist() == TOOL_CALL_1 + TOOL_RESULT_1 + TOOL_CALL_2 + TOOL_RESULT_2 + ANSWER
+    # the model's tool calls and answer are trained (1); the tool results are not (0)
+    assert row.response_mask.tolist() == [1, 1, 0, 0, 0, 1, 1, 0, 1, 1, 1]
+    assert row.logprobs is not None
+    assert row.logprobs.tolist() == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0, -0.75, 0.0, -0.125, -2.0, -4.0]
+    assert (row.reward, row.call_span_ids, row.trainable_tokens) == (1.0, ["c0", "c1", "c2"], 7)
+
+
+def test_a_re_rendered_history_falls_back_to_one_row_per_call_and_names_where_the_ids_differ() -> None:
+    re_serialized = [202, 299]  # call 2's tool-call arguments, serialized again differently
+    spans = tool_conversation(third_prompt_renders_call_2_as=re_serialized)
+    result = triplets_from_spans(spans, AdapterConfig(aggregation="trajectory"))
+    aggregated = rows_from_triplets(result.triplets, "trajectory")
+    fallback = aggregated.fallback
+    assert fallback is not None
+    assert (fallback.reason, fallback.call_index, fallback.span_id) == (
+        FallbackReason.PROMPT_NOT_EXTENSION,
         2,
-        ["s2", "s3"],
-        [12, 13],
+        "c2",
     )
+    assert fallback.reason == "prompt_not_extension"
+    position = len(SYSTEM_AND_TASK + TOOL_CALL_1 + TOOL_RESULT_1) + 1
+    assert (fallback.position, fallback.expected_token, fallback.actual_token) == (position, 203, 299)
+    assert fallback.detail == (
+        f"call 2 (span c2): its prompt differs from call 1's prompt + response at position {position}: "
+        "token 299 where 203 was expected"
+    )
+    assert aggregated.breaks == [1, 2]
+    transition = rows_from_triplets(result.triplets, "transition").rows
+    assert [row.call_span_ids for row in aggregated.rows] == [["c0"], ["c1"], ["c2"]]
+    for row, per_call, call in zip(aggregated.rows, transition, result.triplets, strict=True):
+        assert row.prompt_ids.tolist() == call.prompt_ids.tolist() == per_call.prompt_ids.tolist()
+        assert row.response_ids.tolist() == call.response_ids.tolist()  # nothing spliced
+        assert row.response_mask.all() and row.reward == per_call.reward
+    assert [row.reward for row in aggregated.rows] == [0.0, 0.0, 1.0]
+
+
+def test_a_prompt_that_ends_before_the_earlier_turns_falls_back_with_no_actual_token() -> None:
+    triplets = [triplet(0, [1, 2], [3, 4]), triplet(1, [1, 2, 3], [5])]
+    fallback = rows_from_triplets(triplets, "trajectory").fallback
+    assert fallback is not None
+    assert (fallback.call_index, fallback.position, fallback.expected_token, fallback.actual_token) == (
+        1,
+        3,
+        4,
+        -1,
+    )
+    assert "the end of the prompt where 4 was expected" in fallback.detail
+
+
+def test_each_agent_is_its_own_chain_and_the_earliest_break_of_any_chain_falls_back() -> None:
+    def of(agent_name: str, made: Triplet) -> Triplet:
+        return dataclasses.replace(made, agent_name=agent_name)
+
+    solver = [of("solver", triplet(0, [1], [2], reward=0.25)), of("solver", triplet(2, [1, 2, 3], [4]))]
+    critic = [of("critic", triplet(1, [7], [8])), of("critic", triplet(3, [7, 8, 9], [6], reward=0.5))]
+    aggregated = rows_from_triplets(solver + critic, "trajectory")
+    assert (aggregated.fallback, aggregated.breaks) == (None, [])
+    assert [(r.call_span_ids, r.turn_index, r.reward) for r in aggregated.rows] == [
+        (["s0", "s2"], 0, 0.25),
+        (["s1", "s3"], 1, 0.5),
+    ]
+    assert [r.response_mask.tolist() for r in aggregated.rows] == [[1, 0, 1], [1, 0, 1]]
+    second_thread = of("critic", triplet(4, [7], [5]))  # the critic starts afresh: not an extension
+    aggregated = rows_from_triplets([*solver, *critic, second_thread], "trajectory")
+    assert aggregated.fallback is not None and aggregated.fallback.call_index == 4
+    assert [r.call_span_ids for r in aggregated.rows] == [["s0"], ["s1"], ["s2"], ["s3"], ["s4"]]
+    assert aggregated.breaks == [2, 3, 4]
 
 
 def test_a_trajectory_row_has_no_logprobs_when_one_of_its_calls_has_none() -> None:
