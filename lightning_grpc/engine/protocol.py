@@ -7,13 +7,18 @@ as the OpenAI and vLLM servers do; fields that would change the output but are n
 The vLLM extensions understood: ``return_token_ids``, ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``add_special_tokens`` (completions),
 ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message`` (chat).
+Chat's ``tools`` and ``tool_choice`` are validated by ``tools``; a forced choice becomes the sampling
+parameters' ``grammar``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from lightning_grpc.engine.tools import ToolChoice
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -65,6 +70,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: An llguidance (Lark) grammar the output must follow: a forced tool call (see ``tools``).
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +96,8 @@ class ChatRequest(ParsedRequest):
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[Any] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: How tool calls are parsed from the output and whether one is forced (a ``tools.ToolChoice``).
+    tool_choice: ToolChoice | None = None
 
 
 @dataclass
@@ -107,9 +116,10 @@ def parse_chat(body: Any) -> ChatRequest:
     if top is not None and not logprobs_on:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top or 0) if logprobs_on else None
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad_request("tools must be a list", "tools")
+    from lightning_grpc.engine import tools as t  # tools imports this module's errors
+
+    tools = t.validate_tools(body.get("tools"))
+    tool_choice = t.parse_tool_choice(body.get("tool_choice"), tools)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
@@ -121,7 +131,12 @@ def parse_chat(body: Any) -> ChatRequest:
     if template_kwargs["add_generation_prompt"] and template_kwargs["continue_final_message"]:
         raise bad_request("add_generation_prompt and continue_final_message exclude each other")
     common = _common(body, logprobs)
-    return ChatRequest(**common, messages=messages, tools=tools, template_kwargs=template_kwargs)
+    grammar = t.forced_grammar(tools or [], tool_choice)
+    if grammar is not None:
+        common["params"] = replace(common["params"], grammar=grammar)
+    return ChatRequest(
+        **common, messages=messages, tools=tools, template_kwargs=template_kwargs, tool_choice=tool_choice
+    )
 
 
 def parse_completion(body: Any) -> CompletionRequest:

@@ -21,8 +21,13 @@ them, and 32 concurrent agents cost about one forward pass per token, not 32. Sa
 cumulative distribution at one uniform number per row and step; a seeded sequence draws its numbers
 from its own generator, so the same seed and request give the same tokens whatever else is in the
 batch (up to floating-point differences of batched arithmetic).
-Logprobs are those of the model's own distribution (before temperature, penalties and filtering), as
-vLLM reports by default.
+Logprobs are those of the model's own distribution (before temperature, penalties, filtering and a
+grammar's mask), as vLLM reports by default.
+
+A sequence whose parameters carry a ``grammar`` (a forced tool call) gets an llguidance matcher: before
+sampling, its row's logits are masked to the tokens the grammar allows (``guided.mask_rows``), after
+sampling the matcher takes the token, and once the grammar is complete it allows only the end of turn,
+which ends the sequence. Rows without a grammar skip all of this.
 
 Weight updates never mix versions within a response: a pending update stops the admission of requests
 that have not started, lets every running sequence (and the rest of a request already started) finish
@@ -48,6 +53,7 @@ with extra_imports("engine"):
     from transformers import DynamicCache
 
 from lightning_grpc import logs
+from lightning_grpc.engine.guided import Grammars, mask_rows
 from lightning_grpc.engine.protocol import SamplingParams
 from lightning_grpc.engine.text import OutputText
 
@@ -114,7 +120,7 @@ class Submission:
 
 
 class _Sequence:
-    def __init__(self, sub: Submission, index: int, tokenizer: Any) -> None:
+    def __init__(self, sub: Submission, index: int, tokenizer: Any, grammars: Grammars | None) -> None:
         self.sub = sub
         self.index = index
         self.prompt = sub.prompts[index // sub.n]
@@ -123,14 +129,34 @@ class _Sequence:
         self.generator: torch.Generator | None = None
         if self.params.seed is not None and not self.params.greedy:
             self.generator = torch.Generator().manual_seed(_mix(self.params.seed, index))
+        self.matcher: Any = None
+        if self.params.grammar is not None:
+            if grammars is None:
+                raise RuntimeError("this engine cannot constrain generation (no grammar support loaded)")
+            self.matcher = grammars.matcher(self.params.grammar)
         self.done = False
+
+    def grammar_ended(self, token: int) -> bool:
+        """Feed the token to the matcher; true once the grammar is complete and the end of turn taken.
+
+        A matcher in error (a token the mask did not allow: cannot happen) ends the sequence too.
+        """
+        if self.matcher is None:
+            return False
+        complete = bool(self.matcher.is_stopped())  # then the mask allowed only the end of turn
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            log.warning("event=grammar_rejected_token request_id=%s token=%d", self.sub.request_id, token)
+            return True
+        return complete
 
     def advance(self, token: int, logprob: TokenLogprob | None, eos_ids: frozenset[int]) -> SequenceUpdate:
         offset = self.text.add(token)
         params = self.params
         finish: str | None = None
         stop_reason: int | str | None = None
-        if token in params.stop_token_ids:
+        if self.grammar_ended(token):
+            finish = "stop"
+        elif token in params.stop_token_ids:
             finish, stop_reason = "stop", token
         elif token in eos_ids and not params.ignore_eos:
             finish = "stop"
@@ -197,9 +223,11 @@ class Scheduler:
         policy_version: int = 0,
         pad_id: int = 0,
         threads: int | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
         self.threads = threads
+        self.grammars = grammars
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
         self.max_batch_size = max_batch_size
@@ -245,7 +273,9 @@ class Scheduler:
             }
 
     def submit(self, sub: Submission) -> None:
-        sequences = [_Sequence(sub, i, self.tokenizer) for i in range(len(sub.prompts) * sub.n)]
+        sequences = [
+            _Sequence(sub, i, self.tokenizer, self.grammars) for i in range(len(sub.prompts) * sub.n)
+        ]
         with self._cond:
             if self._closing:
                 raise RuntimeError("the engine is shutting down")
@@ -370,6 +400,9 @@ class Scheduler:
         want_logprobs = [p.logprobs for p in params]
         raw = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
         adjusted = self._adjust(logits, seqs)
+        constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            adjusted = mask_rows(adjusted, constrained)
         greedy = adjusted.argmax(dim=-1)
         tokens = greedy
         if not all(p.greedy for p in params):

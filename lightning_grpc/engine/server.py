@@ -12,7 +12,14 @@ vLLM's fields: with ``"return_token_ids": true`` a chat response has a top-level
 and ``token_ids`` per choice (streaming: ``prompt_token_ids`` on the first chunk only, each chunk's
 choice carrying the ids of its new tokens); a completion has both per choice (streaming: the prompt's on
 the first chunk of each choice). Every response and chunk has a top-level ``policy_version`` (the
-weights that produced it) and responses an ``x-policy-version`` header. Errors are
+weights that produced it) and responses an ``x-policy-version`` header.
+
+Tools, as vLLM's hermes parser: with ``tools`` (``tool_choice`` "auto" by default) complete
+``<tool_call>`` blocks of the output become ``message.tool_calls`` (``content``: the text before them, or
+null) and ``finish_reason`` "tool_calls"; streamed, content deltas until a block starts, then one
+``tool_calls`` delta per completed block, every chunk still carrying its ``token_ids``. "required" or a
+named function constrains sampling with llguidance to one such call (see ``tools`` and ``guided``).
+Errors are
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request, 404 for an unknown model
 or path, 401 for a wrong key when ``api_key`` is set, 500 if generation itself fails.
 
@@ -46,6 +53,8 @@ with extra_imports("engine"):
 
 from lightning_grpc import logs
 from lightning_grpc.engine import protocol as p
+from lightning_grpc.engine import tools
+from lightning_grpc.engine.guided import GrammarError, Grammars
 from lightning_grpc.engine.protocol import EngineError, bad_request
 from lightning_grpc.engine.scheduler import Scheduler, SequenceUpdate, StepEvent, Submission, TokenLogprob
 from lightning_grpc.engine.text import TokenTexts
@@ -186,6 +195,8 @@ class EngineServer:
         self.max_model_len = 0
         self.vocab_size = 0
         self._texts: TokenTexts | None = None
+        #: llguidance's view of the tokenizer, for forced tool calls (built at start).
+        self.grammars: Grammars | None = None
         self._runner: web.AppRunner | None = None
         self._weights_lock = asyncio.Lock()
         self._started_at = int(time.time())
@@ -237,6 +248,9 @@ class EngineServer:
             threads=self.config.threads or (1 if params < SMALL_MODEL_PARAMS else None),
         )
         self.vocab_size = self.scheduler.vocab_size
+        self.scheduler.grammars = self.grammars = await loop.run_in_executor(
+            None, Grammars, tokenizer, self.vocab_size
+        )
         self.scheduler.start()
         try:
             await self._listen()
@@ -477,7 +491,18 @@ class EngineServer:
         parsed = p.parse_chat(await _json_body(request))
         self._check_model(parsed.model)
         prompt = self._chat_prompt(parsed)
+        if parsed.params.grammar is not None:
+            await self._check_grammar(parsed.params.grammar)
         return await self._generate(request, "chat", parsed, [prompt])
+
+    async def _check_grammar(self, grammar: str) -> None:
+        """A forced tool call's grammar compiles (else 400 naming ``tools``); compiled off the event loop."""
+        if self.grammars is None:
+            raise EngineError("the engine is not running", status=503)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.grammars.check, grammar)
+        except GrammarError as exc:
+            raise bad_request(f"the tools' parameters cannot constrain generation: {exc}", "tools") from None
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         parsed = p.parse_completion(await _json_body(request))
@@ -647,13 +672,20 @@ class EngineServer:
     def _final_choice(self, job: _Job, choice: _Choice) -> dict[str, Any]:
         text = "".join(choice.text)
         out: dict[str, Any] = {"index": choice.index}
+        finish_reason = choice.finish_reason
         if job.kind == "chat":
             out["message"] = {"role": "assistant", "content": text}
+            if _parses_tools(job):
+                parsed = tools.parse_tool_calls(text)
+                if parsed.calls:
+                    out["message"]["content"] = parsed.content
+                    out["message"]["tool_calls"] = [call.as_dict() for call in parsed.calls]
+                    finish_reason = "tool_calls"
             out["logprobs"] = self._chat_logprobs(job, choice.logprobs)
         else:
             out["text"] = text
             out["logprobs"] = self._completion_logprobs(job, choice.logprobs, choice.offsets, len(text))
-        out["finish_reason"] = choice.finish_reason
+        out["finish_reason"] = finish_reason
         out["stop_reason"] = choice.stop_reason
         if job.request.return_token_ids:
             if job.kind == "completion":
@@ -710,15 +742,21 @@ class EngineServer:
         body.update(extra)
         return body
 
-    def delta_choice(self, job: _Job, update: SequenceUpdate, first: bool) -> dict[str, Any]:
+    def delta_choice(
+        self, job: _Job, update: SequenceUpdate, first: bool, calls: tools.ToolCallStream | None = None
+    ) -> dict[str, Any]:
+        """One choice's chunk; with ``calls`` (tools parsed), content until a call starts, then whole calls."""
         out: dict[str, Any] = {"index": update.index}
+        finish_reason = update.finish_reason
         if job.kind == "chat":
             out["delta"] = {"content": update.text}
+            if calls is not None:
+                out["delta"], finish_reason = _tool_delta(calls, update)
             out["logprobs"] = self._chat_logprobs(job, update.logprobs)
         else:
             out["text"] = update.text
             out["logprobs"] = self._completion_logprobs(job, update.logprobs, update.offsets, None)
-        out["finish_reason"] = update.finish_reason
+        out["finish_reason"] = finish_reason
         out["stop_reason"] = update.stop_reason
         if job.request.return_token_ids:
             if job.kind == "completion" and first:
@@ -768,6 +806,8 @@ class _ChunkWriter:
         self.response = response
         self.seen: set[int] = set()
         self.sent_prompt = False
+        #: Per choice, the parser of its tool calls (when the request parses them).
+        self.calls = {i: tools.ToolCallStream() for i in range(job.choices)} if _parses_tools(job) else {}
 
     async def start(self) -> None:
         """Chat: one role chunk per choice, the first carrying the prompt's token ids."""
@@ -787,7 +827,8 @@ class _ChunkWriter:
     async def update(self, update: SequenceUpdate) -> None:
         first = update.index not in self.seen
         self.seen.add(update.index)
-        await self._send([self.server.delta_choice(self.job, update, first)])
+        calls = self.calls.get(update.index)
+        await self._send([self.server.delta_choice(self.job, update, first, calls)])
 
     async def usage(self, completion_tokens: int) -> None:
         body = self.server.chunk(self.job, [])
@@ -833,6 +874,33 @@ def _usage(job: _Job, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def _parses_tools(job: _Job) -> bool:
+    request = job.request
+    return (
+        isinstance(request, p.ChatRequest) and request.tool_choice is not None and request.tool_choice.parses
+    )
+
+
+def _tool_delta(calls: tools.ToolCallStream, update: SequenceUpdate) -> tuple[dict[str, Any], str | None]:
+    """The chat delta of an update whose text goes through the tool-call parser, and its finish reason.
+
+    The chunk is sent whatever it holds (its token ids must reach the client): an empty content while a
+    call's block is being buffered.
+    """
+    content, new_calls = calls.feed(update.text)
+    finish_reason = update.finish_reason
+    if finish_reason is not None:
+        content += calls.finish()
+        if calls.calls:
+            finish_reason = "tool_calls"
+    delta: dict[str, Any] = {}
+    if content or not new_calls:
+        delta["content"] = content
+    if new_calls:
+        delta["tool_calls"] = new_calls
+    return delta, finish_reason
 
 
 def _finite(value: float) -> float:

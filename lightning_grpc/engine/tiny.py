@@ -31,28 +31,53 @@ ARCHITECTURES = ("qwen2", "llama")
 ENDOFTEXT, IM_START, IM_END, PAD = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, PAD]
 
-#: ChatML, like the Qwen chat models: text parts of list contents are joined; tools and tool calls are
-#: rendered as JSON so an agent's tool-using conversation still tokenizes.
+#: ChatML with tools the way Qwen2.5's (hermes-style) template writes them: a system block listing the
+#: tools (merged with a leading system message), an assistant's ``tool_calls`` as
+#: ``<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`` (ARGS: a string verbatim, a mapping
+#: as JSON), and ``tool`` messages as ``<tool_response>`` blocks of one user turn. A call the model writes
+#: after ``<|im_start|>assistant\n`` renders back to the same text when the agent sends it back. Text parts
+#: of list contents are joined.
 CHAT_TEMPLATE = """\
+{%- macro text(content) %}
+{%- if content is string %}{{- content }}
+{%- elif content is iterable %}
+{%- for part in content %}{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}
+{%- endif %}
+{%- endmacro %}
+{%- set merged = tools and messages[0]['role'] == 'system' %}
 {%- if tools %}
-{{- '<|im_start|>system\\n# Tools\\n' }}
+{{- '<|im_start|>system\\n' }}
+{%- if merged %}{{- text(messages[0]['content']) + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-{{- '<|im_end|>\\n' }}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments ' }}
+{{- 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
 {%- endif %}
 {%- for message in messages %}
-{{- '<|im_start|>' + message['role'] + '\\n' }}
-{%- if message['content'] is string %}
-{{- message['content'] }}
-{%- elif message['content'] is iterable %}
-{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}
-{%- endif %}
-{%- if message['tool_calls'] is defined and message['tool_calls'] %}
+{%- if merged and loop.first %}
+{%- elif message['role'] == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}
+{{- '<|im_start|>assistant' }}
+{%- set content = text(message['content']) %}
+{%- if content %}{{- '\\n' + content }}{%- endif %}
 {%- for call in message['tool_calls'] %}
-{{- '\\n<tool_call>\\n' + (call['function'] | tojson) + '\\n</tool_call>' }}
+{%- set function = call['function'] if call['function'] is defined else call %}
+{{- '\\n<tool_call>\\n{"name": ' + (function['name'] | tojson) + ', "arguments": ' }}
+{%- if function['arguments'] is string %}{{- function['arguments'] }}
+{%- else %}{{- function['arguments'] | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
 {%- endfor %}
-{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message['role'] + '\\n' + text(message['content']) }}
 {%- if not (loop.last and continue_final_message is defined and continue_final_message) %}
 {{- '<|im_end|>\\n' }}
+{%- endif %}
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
