@@ -304,7 +304,13 @@ PROXY_ROUTES: dict[tuple[str, str], frozenset[Role] | None] = {
     **{
         (verb, f"{prefix}/v1/{path}"): frozenset({_A, _T})
         for prefix in ("", "/rollout/{rollout_id}/attempt/{attempt_id}")
-        for verb, path in (("POST", "chat/completions"), ("POST", "completions"), ("GET", "models"))
+        for verb, path in (
+            ("POST", "chat/completions"),
+            ("POST", "completions"),
+            ("POST", "responses"),
+            ("POST", "messages"),
+            ("GET", "models"),
+        )
     },
 }
 

@@ -79,6 +79,16 @@ LLM_LATENCY_MS = "lightning.llm.latency_ms"
 LLM_USAGE_PROMPT_TOKENS = "gen_ai.usage.input_tokens"
 LLM_USAGE_COMPLETION_TOKENS = "gen_ai.usage.output_tokens"
 LLM_ERROR = "lightning.llm.error"
+#: The API shape the agent spoke (one of :data:`LLM_DIALECTS`); LLM_REQUEST and LLM_RESPONSE are always
+#: the chat-completions (or completions) request sent to the backend and its answer, whatever the dialect.
+LLM_DIALECT = "lightning.llm.dialect"
+#: JSON of the request as the agent sent it, when its dialect was translated to chat completions.
+LLM_DIALECT_REQUEST = "lightning.llm.dialect_request"
+DIALECT_CHAT_COMPLETIONS = "chat_completions"
+DIALECT_COMPLETIONS = "completions"
+DIALECT_RESPONSES = "responses"  # OpenAI's Responses API
+DIALECT_ANTHROPIC_MESSAGES = "anthropic_messages"  # Anthropic's Messages API
+LLM_DIALECTS = (DIALECT_CHAT_COMPLETIONS, DIALECT_COMPLETIONS, DIALECT_RESPONSES, DIALECT_ANTHROPIC_MESSAGES)
 
 # The agent a span belongs to (the trainer's adapter reads it from the nearest ancestor of an LLM call).
 AGENT_NAME = "lightning.agent.name"

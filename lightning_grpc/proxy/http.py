@@ -1,13 +1,17 @@
 """The proxy's OpenAI-compatible HTTP side.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, and the same under
-``/rollout/{rollout_id}/attempt/{attempt_id}``. Only calls of a running attempt are recorded;
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (OpenAI's Responses API),
+``/v1/messages`` (Anthropic's Messages API), ``/v1/models``, and the same under
+``/rollout/{rollout_id}/attempt/{attempt_id}``. The Responses and Messages dialects are translated to
+chat completions and back (:mod:`.dialects`); every error a route answers, the access check's included,
+has its dialect's shape. Only calls of a running attempt are recorded;
 calls of an unknown attempt get 404, of a finished (or superseded, or cancelled) one 410, and
 neither is recorded. The ``x-lightning-rollout-id`` and ``x-lightning-attempt-id`` headers attribute
 a call without the prefix like the prefix does.
 
 With a token (the Store's admin token, see :class:`~.core.ProxyConfig`), every route but ``/health``
-takes a credential as its bearer token (the OpenAI client's API key), per
+takes a credential as its bearer token (the OpenAI client's API key; Anthropic's client sends its key as
+``x-api-key``, taken when there is no ``Authorization``), per
 :data:`lightning_grpc.access.PROXY_ROUTES`: an attempt's own credential, for that attempt only (a call
 that names another attempt gets 403 and is not recorded; a call that names none is that attempt's),
 or the admin token. Then calls that name no attempt are refused (403) unless the proxy is configured
@@ -43,6 +47,7 @@ from .attempts import Refused
 from .backends import Backend, BackendDialect
 from .capture import Kind
 from .core import ProxyCore
+from .dialects import CHAT, COMPLETIONS, Dialect, DialectError, StreamTranslator, dialect_for_path
 from .spans import CallRecord, llm_call_span, trace_context
 from .upstream import BackendUnreachable, UpstreamCall
 
@@ -51,6 +56,8 @@ log = logs.get_logger(__name__)
 #: Error messages to agents echo what they sent (a model name, ids) at most this long.
 MAX_MESSAGE_CHARS = 1000
 PATHS: dict[Kind, str] = {"chat": "chat/completions", "completion": "completions"}
+#: The dialect routes besides chat and completions, all served by a chat-completions backend.
+DIALECT_ROUTES = ("responses", "messages")
 LOGPROB_MODES = (RolloutMode.TRAIN, RolloutMode.UNSPECIFIED)
 PROXY_KEY: web.AppKey[ProxyCore] = web.AppKey("proxy", ProxyCore)
 #: Where the access check leaves the caller of a request (absent: the proxy checks no credentials).
@@ -64,8 +71,12 @@ def error_response(
     *,
     kind: str = "invalid_request_error",
     headers: dict[str, str] | None = None,
+    dialect: Dialect = CHAT,
+    param: str | None = None,
 ) -> web.Response:
-    body = {"error": {"message": clip(message, MAX_MESSAGE_CHARS), "type": kind, "param": None, "code": code}}
+    """An error answer in ``dialect``'s shape; ``kind`` is OpenAI's error type (other dialects derive
+    theirs from the status)."""
+    body = dialect.error_body(status, code, clip(message, MAX_MESSAGE_CHARS), kind, param)
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -80,15 +91,22 @@ async def check_access(
     allowed = PROXY_ROUTES.get((request.method, route.canonical)) if route is not None else None
     if credentials is None or allowed is None:
         return await handler(request)
+    dialect = dialect_for_path(request.path)
     try:
-        principal = credentials.principal(request.headers.get("Authorization"))
+        principal = credentials.principal(_authorization(request))
     except LightningError as exc:
         proxy.refused_calls += 1
-        return error_response(401, "invalid_api_key", exc.message, kind="authentication_error")
+        return error_response(
+            401, "invalid_api_key", exc.message, kind="authentication_error", dialect=dialect
+        )
     if principal.role not in allowed:
         proxy.refused_calls += 1
         return error_response(
-            403, "role_not_allowed", f"{principal.describe()} may not call the proxy", kind="permission_error"
+            403,
+            "role_not_allowed",
+            f"{principal.describe()} may not call the proxy",
+            kind="permission_error",
+            dialect=dialect,
         )
     named = _named_attempt(request)
     if (
@@ -103,9 +121,20 @@ async def check_access(
             f"{principal.describe()} may not call for attempt {named[1] or '(none)'} "
             f"of rollout {named[0] or '(none)'}",
             kind="permission_error",
+            dialect=dialect,
         )
     request[PRINCIPAL] = principal
     return await handler(request)
+
+
+def _authorization(request: web.Request) -> str | None:
+    """The credential of a request: its ``Authorization`` header, else Anthropic's ``x-api-key`` (as a bearer
+    token), since the Anthropic SDK sends its API key only there."""
+    authorization = request.headers.get("Authorization")
+    key = request.headers.get("x-api-key")
+    if authorization is None and key:
+        return f"Bearer {key}"
+    return authorization
 
 
 def _named_attempt(request: web.Request) -> tuple[str, str]:
@@ -123,6 +152,8 @@ def build_app(proxy: ProxyCore) -> web.Application:
     for prefix in ("", "/rollout/{rollout_id}/attempt/{attempt_id}"):
         app.router.add_post(f"{prefix}/v1/chat/completions", _chat)
         app.router.add_post(f"{prefix}/v1/completions", _completion)
+        for route in DIALECT_ROUTES:
+            app.router.add_post(f"{prefix}/v1/{route}", _dialect_call)
         app.router.add_get(f"{prefix}/v1/models", _models)
     app.router.add_get("/health", _health)
     return app
@@ -149,7 +180,12 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _completion(request: web.Request) -> web.StreamResponse:
-    return await Call(request.app[PROXY_KEY], request, "completion").run()
+    return await Call(request.app[PROXY_KEY], request, "completion", COMPLETIONS).run()
+
+
+async def _dialect_call(request: web.Request) -> web.StreamResponse:
+    """A call in a translated dialect (Responses, Messages): a chat call to the backend."""
+    return await Call(request.app[PROXY_KEY], request, "chat", dialect_for_path(request.path)).run()
 
 
 def rewrite(body: dict[str, Any], backend: Backend, kind: Kind, mode: RolloutMode) -> dict[str, Any]:
@@ -183,10 +219,13 @@ def _error_message(body: Any, fallback: str) -> str:
 class Call:
     """One request to a completion route, from admission to its recorded span."""
 
-    def __init__(self, proxy: ProxyCore, request: web.Request, kind: Kind) -> None:
+    def __init__(self, proxy: ProxyCore, request: web.Request, kind: Kind, dialect: Dialect = CHAT) -> None:
         self.proxy = proxy
         self.request = request
         self.kind = kind
+        self.dialect = dialect
+        #: The request as the agent sent it, when its dialect is translated.
+        self.dialect_request: dict[str, Any] | None = None
         self.rollout_id, self.attempt_id = _named_attempt(request)
         principal: Principal | None = request.get(PRINCIPAL)
         if principal is not None and principal.role == Role.ATTEMPT and not self.attempt_id:
@@ -208,25 +247,48 @@ class Call:
         wait = self.proxy.retry_after
         headers = {"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(int(wait * 1000))}
         reason = f" ({self.proxy.pause_reason})" if self.proxy.pause_reason else ""
-        return error_response(
+        return self._error(
             429,
             "proxy_paused",
             f"the proxy is paused{reason}; retry later",
-            kind="rate_limit_error",
+            "rate_limit_error",
             headers=headers,
+        )
+
+    def _error(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        kind: str = "invalid_request_error",
+        *,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+    ) -> web.Response:
+        """An error answer in this call's dialect."""
+        return error_response(
+            status, code, message, kind=kind, headers=headers, dialect=self.dialect, param=param
         )
 
     async def _admitted(self) -> web.StreamResponse:
         try:
             body = await self.request.json()
         except (ValueError, UnicodeDecodeError):
-            return error_response(400, "invalid_json", "the request body is not JSON")
+            return self._error(400, "invalid_json", "the request body is not JSON")
         if not isinstance(body, dict):
-            return error_response(400, "invalid_json", "the request body must be a JSON object")
+            return self._error(400, "invalid_json", "the request body must be a JSON object")
+        if self.dialect.translates:
+            try:
+                body, self.dialect_request = self.dialect.to_chat(body), body
+            except DialectError as exc:
+                return self._error(exc.status, exc.code, exc.message, param=exc.param)
+            except Exception as exc:  # LiteLLM's translation choking on a shape the checks let through
+                log.info("event=proxy_dialect_untranslatable dialect=%s error=%r", self.dialect.name, exc)
+                return self._error(400, "invalid_request", f"the request could not be translated: {exc}")
         try:
             model_name = self.proxy.table.resolve_model(str(body.get("model") or ""))
         except NotFoundError as exc:
-            return error_response(404, "model_not_found", exc.message)
+            return self._error(404, "model_not_found", exc.message, param="model")
         if not (self.rollout_id and self.attempt_id):
             if self.rollout_id or self.attempt_id:
                 return self._refuse(
@@ -254,9 +316,7 @@ class Call:
             refusal.status,
             refusal.code,
         )
-        return error_response(
-            refusal.status, refusal.code, refusal.message, kind=refusal.kind, headers=headers
-        )
+        return self._error(refusal.status, refusal.code, refusal.message, refusal.kind, headers=headers)
 
     # ------------------------------------------------------------ forwarding
     async def _forward(self, body: dict[str, Any], model_name: str, mode: RolloutMode) -> web.StreamResponse:
@@ -264,7 +324,7 @@ class Call:
         try:
             backend = proxy.table.pick(model_name, self.rollout_id)
         except NotFoundError as exc:  # the backends changed while the call was being admitted
-            return error_response(404, "model_not_found", exc.message)
+            return self._error(404, "model_not_found", exc.message, param="model")
         streamed = bool(body.get("stream"))
         trace_id, parent = trace_context(self.request.headers.get("traceparent"))
         rec = CallRecord(
@@ -278,6 +338,8 @@ class Call:
             attempt_id=self.attempt_id,
             trace_id=trace_id,
             parent_span_id=parent,
+            dialect=self.dialect.name,
+            dialect_request=self.dialect_request,
         )
         stats = proxy.table.stats[backend.api_base]
         stats.calls += 1
@@ -315,7 +377,7 @@ class Call:
             wait = " in time" if exc.timed_out else ""
             rec.agent_error = f"{rec.backend.public_name} could not be reached{wait}"
             await self._finish(rec, started)
-            return error_response(status, "backend_unreachable", rec.agent_error, kind="api_error")
+            return self._error(status, "backend_unreachable", rec.agent_error, "api_error")
         rec.http_status = upstream.status
         rec.header_policy_version = upstream.policy_version()
         if upstream.stream is not None:
@@ -334,11 +396,24 @@ class Call:
                 f"HTTP {upstream.status}: {message}" if not upstream.ok else "the backend answered no JSON"
             )
         await self._finish(rec, started)
+        if self.dialect.translates and self.dialect_request is not None:
+            return self._translated_body(upstream, payload)
         return web.Response(
             body=upstream.body,
             status=upstream.status,
             headers={"Content-Type": upstream.content_type, **upstream.headers},
         )
+
+    def _translated_body(self, upstream: UpstreamCall, payload: Any) -> web.Response:
+        """The backend's chat answer in this call's dialect (its errors too, with the backend's status)."""
+        assert self.dialect_request is not None
+        if upstream.ok and isinstance(payload, dict):
+            body = self.dialect.from_chat(payload, self.dialect_request)
+            return web.json_response(body, status=upstream.status, headers=upstream.headers)
+        status = upstream.status if not upstream.ok else 502
+        message = _error_message(payload, "the backend answered no JSON")
+        kind = "api_error" if status >= 500 else "invalid_request_error"
+        return self._error(status, "backend_error", message, kind, headers=upstream.headers)
 
     async def _relay_stream(
         self, rec: CallRecord, upstream: UpstreamCall, started: float
@@ -350,15 +425,18 @@ class Call:
         await response.prepare(self.request)
         agent_gone = False
         done: bytes | None = None
+        translator = self._translator()
         try:
-            done, agent_gone = await self._pump(rec, upstream, response)
+            done, agent_gone = await self._pump(rec, upstream, response, translator)
         finally:
             await upstream.close()
         await self._finish(rec, started)
         if agent_gone:
             return response
         try:
-            if done is None:
+            if done is None and translator is not None:
+                await response.write(b"".join(translator.fail(rec.agent_error or rec.error)))
+            elif done is None:
                 await response.write(
                     sse.encode(
                         {
@@ -377,23 +455,38 @@ class Call:
             pass
         return response
 
+    def _translator(self) -> StreamTranslator | None:
+        if not self.dialect.translates or self.dialect_request is None:
+            return None
+        return self.dialect.translator(self.dialect_request)
+
     async def _pump(
-        self, rec: CallRecord, upstream: UpstreamCall, response: web.StreamResponse
+        self,
+        rec: CallRecord,
+        upstream: UpstreamCall,
+        response: web.StreamResponse,
+        translator: StreamTranslator | None = None,
     ) -> tuple[bytes | None, bool]:
-        """Pass events through as they come; returns (the held [DONE] event or None, agent gone)."""
+        """Pass events through as they come (or each chunk's events in the dialect, through ``translator``);
+        returns (the held end of the stream, or None, agent gone)."""
         assert upstream.stream is not None and rec.capture is not None
         try:
             async for event in upstream.stream:
                 if event.done:
-                    return event.raw, False
+                    return (event.raw if translator is None else b"".join(translator.finish())), False
                 payload = event.json()
+                out = event.raw if translator is None else b""
                 if isinstance(payload, dict):
                     if "error" in payload and not payload.get("choices"):
                         rec.error = f"stream error: {_error_message(payload, 'unknown')}"
                     else:
                         rec.capture.add_chunk(payload)
+                        if translator is not None:
+                            out = b"".join(translator.feed(payload))
+                if not out:
+                    continue
                 try:
-                    await response.write(event.raw)
+                    await response.write(out)
                 except ConnectionResetError:
                     rec.error = "the agent disconnected before the end of the stream"
                     return None, True

@@ -15,6 +15,7 @@ from lightning_grpc.types import Span
 from .backends import Backend
 from .capture import Capture, Kind
 
+_DEFAULT_DIALECT = {"chat": semconv.DIALECT_CHAT_COMPLETIONS, "completion": semconv.DIALECT_COMPLETIONS}
 SPAN_KIND_CLIENT = 3
 STATUS_OK = 1
 STATUS_ERROR = 2
@@ -55,6 +56,10 @@ class CallRecord:
     #: The body of an error answer (when the backend answered one).
     error_body: Any = None
     capture: Capture | None = None
+    #: The API shape the agent spoke (:data:`lightning_grpc.semconv.LLM_DIALECTS`), and its request as sent
+    #: when that was translated (``request`` is then the chat request the backend got).
+    dialect: str = ""
+    dialect_request: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.capture is None:
@@ -87,6 +92,9 @@ def llm_call_span(rec: CallRecord) -> Span:
         semconv.LLM_STREAMED: rec.streamed,
         semconv.LLM_LATENCY_MS: float(rec.latency_ms),
     }
+    attrs[semconv.LLM_DIALECT] = rec.dialect or _DEFAULT_DIALECT[rec.kind]
+    if rec.dialect_request is not None:
+        attrs[semconv.LLM_DIALECT_REQUEST] = _json(rec.dialect_request)
     response = cap.response()
     if response is None and rec.error_body is not None:
         response = rec.error_body

@@ -89,7 +89,29 @@ def body_for(path: str) -> dict[str, Any] | None:
         return {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
     if path.endswith("/completions"):
         return {"model": MODEL, "prompt": "2 + 3 =", "max_tokens": 2}
+    if path.endswith("/responses"):
+        return {"model": MODEL, "input": "What is 2 + 3?", "max_output_tokens": 2}
+    if path.endswith("/messages"):
+        return {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
     return None
+
+
+#: Anthropic's error bodies carry a type and no code: the type each refusal has there.
+ANTHROPIC_TYPES = {
+    "invalid_api_key": "authentication_error",
+    "role_not_allowed": "permission_error",
+    "attempt_required": "permission_error",
+    "wrong_attempt": "permission_error",
+}
+
+
+def code_of(payload: Any) -> str:
+    """An error body's code (OpenAI's shape), or its type (Anthropic's)."""
+    return str(payload["error"].get("code") or payload["error"]["type"])
+
+
+def code_in(pattern: str, code: str) -> str:
+    return ANTHROPIC_TYPES[code] if pattern.endswith("/v1/messages") else code
 
 
 async def test_every_route_takes_the_keys_the_table_names_and_refuses_the_rest(
@@ -115,12 +137,18 @@ async def test_every_route_takes_the_keys_the_table_names_and_refuses_the_rest(
                 if roles is None:
                     assert status == 200, (pattern, name, payload)
                 elif name in ("none", "wrong"):
-                    assert status == 401 and payload["error"]["code"] == "invalid_api_key", (pattern, name)
+                    assert status == 401 and code_of(payload) == code_in(pattern, "invalid_api_key"), (
+                        pattern,
+                        name,
+                    )
                 elif name == "runner":
-                    assert status == 403 and payload["error"]["code"] == "role_not_allowed", (pattern, name)
+                    assert status == 403 and code_of(payload) == code_in(pattern, "role_not_allowed"), (
+                        pattern,
+                        name,
+                    )
                 elif name == "admin" and not prefixed and verb == "POST":
                     # the admin token names no attempt: with credentials on, unattributed calls are refused
-                    assert status == 403 and payload["error"]["code"] == "attempt_required", (
+                    assert status == 403 and code_of(payload) == code_in(pattern, "attempt_required"), (
                         pattern,
                         payload,
                     )
@@ -131,11 +159,11 @@ async def test_every_route_takes_the_keys_the_table_names_and_refuses_the_rest(
                     url = route_url(proxy, pattern, *theirs[:2])
                     async with http.request(verb, url, json=body_for(pattern), headers=headers) as resp:
                         assert resp.status == 403, (pattern, await resp.text())
-                        assert (await resp.json())["error"]["code"] == "wrong_attempt"
-    # the attempt credential recorded its calls under its own attempt (2 prefixed + 2 bare completion
-    # routes), and nothing ever reached the other attempt
+                        assert code_of(await resp.json()) == code_in(pattern, "wrong_attempt")
+    # the attempt credential recorded its calls under its own attempt (4 prefixed + 4 bare completion
+    # routes: chat, completions, responses, messages), and nothing ever reached the other attempt
     recorded = await llm_spans(admin, mine[0])
-    assert len(recorded) == 4 + 2  # and the admin's two calls on the prefixed routes
+    assert len(recorded) == 8 + 4  # and the admin's four calls on the prefixed routes
     assert {s.attempt_id for s in recorded} == {mine[1]}
     assert await llm_spans(admin, theirs[0]) == []
 

@@ -35,6 +35,10 @@ export const semconv = Object.freeze({
   LLM_USAGE_PROMPT_TOKENS: "gen_ai.usage.input_tokens",
   LLM_USAGE_COMPLETION_TOKENS: "gen_ai.usage.output_tokens",
   LLM_ERROR: "lightning.llm.error",
+  /** The API the agent spoke to the proxy: chat_completions, completions, responses, anthropic_messages. */
+  LLM_DIALECT: "lightning.llm.dialect",
+  /** JSON of the request as the agent sent it, when its dialect was translated to chat completions. */
+  LLM_DIALECT_REQUEST: "lightning.llm.dialect_request",
 });
 
 export type AttributeValue = string | number | boolean | bigint | readonly string[] | readonly number[];
