@@ -30,6 +30,8 @@ from lightning_grpc import types as t
 from lightning_grpc.algorithm import Algorithm
 from lightning_grpc.client import ClientConfig, StoreClient
 
+from .llm_calls import LlmCall, format_llm_calls, llm_calls, tool_calls_summary
+
 DEFAULT_STORE = "127.0.0.1:4747"
 ROLLOUT_STATUS_NAMES = [str(s) for s in t.RolloutStatus if s is not t.RolloutStatus.UNSPECIFIED]
 RESOURCE_KINDS: dict[type, str] = {
@@ -185,8 +187,10 @@ async def show_rollout(client: StoreClient, args: argparse.Namespace) -> None:
     rollout = await client.get_rollout(args.rollout_id)
     attempts = await client.query_attempts(args.rollout_id)
     reward = (await rewards_of(client, [rollout]))[rollout.rollout_id]
+    calls = await latest_llm_calls(client, rollout)
     if args.json:
-        _print_json_lines([{**jsonable(rollout), "reward": reward, "attempts": jsonable(attempts)}])
+        record = {**jsonable(rollout), "reward": reward, "attempts": jsonable(attempts)}
+        _print_json_lines([{**record, "llm_calls": jsonable(calls)}])
         return
     print(format_fields(rollout_fields(rollout, reward)))
     print("input:")
@@ -202,6 +206,18 @@ async def show_rollout(client: StoreClient, args: argparse.Namespace) -> None:
             f"error of attempt {failed[-1].sequence_number}: {error.get('type', '')}: {error.get('message', '')}"
         )
         print(_indent(str(error.get("traceback", "")).rstrip()))
+    if calls and rollout.latest_attempt:
+        print()
+        print(f"llm calls of attempt {rollout.latest_attempt.sequence_number}:")
+        print(_indent(format_llm_calls(calls)))
+
+
+async def latest_llm_calls(client: StoreClient, rollout: t.Rollout) -> list[LlmCall]:
+    """The LLM calls of a rollout's latest attempt, in order (none before its first attempt)."""
+    if rollout.latest_attempt is None:
+        return []
+    attempt_id = rollout.latest_attempt.attempt_id
+    return llm_calls(await client.query_spans(rollout.rollout_id, attempt_id, name=semconv.SPAN_LLM_CALL))
 
 
 async def show_spans(client: StoreClient, args: argparse.Namespace) -> None:
@@ -371,7 +387,11 @@ def span_line(s: t.Span) -> str:
         max(0, s.end_time_unix_nano - s.start_time_unix_nano) / 1e6 if s.end_time_unix_nano else None
     )
     duration = f"{duration_ms:.1f}ms" if duration_ms is not None else "-"
-    return f"{s.sequence_id:>6}  {s.attempt_id:<15}  {s.name:<20}  {duration:>10}  {summarize(readable_first(s.attributes))}".rstrip()
+    attributes = readable_first(s.attributes)
+    tools = tool_calls_summary(s) if s.name == semconv.SPAN_LLM_CALL else ""
+    if tools:
+        attributes = {"tool_calls": tools, **attributes}
+    return f"{s.sequence_id:>6}  {s.attempt_id:<15}  {s.name:<20}  {duration:>10}  {summarize(attributes)}".rstrip()
 
 
 def readable_first(attributes: Mapping[str, Any]) -> dict[str, Any]:

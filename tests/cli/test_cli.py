@@ -428,6 +428,111 @@ async def test_spans_follow_prints_new_spans_until_interrupted(client: StoreClie
             await proc.wait()
 
 
+# ---------------------------------------------------------------- an agent's tool calls
+TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    for name in ("press", "reset")
+]
+PROMPT = [
+    {"role": "system", "content": "Open the lock with the tools."},
+    {"role": "user", "content": "The lock has 3 digits."},
+]
+PRESS = {"id": "call_1", "type": "function", "function": {"name": "press", "arguments": '{"digit": 3}'}}
+
+
+def llm_call_span(
+    messages: list[dict[str, object]], message: dict[str, object], finish: str, usage: tuple[int, int]
+) -> Span:
+    """A ``lightning.llm.call`` span as the proxy records it (request and response as JSON)."""
+    request = {"model": "policy", "messages": messages, "tools": TOOLS, "tool_choice": "auto"}
+    response = {"choices": [{"index": 0, "message": message, "finish_reason": finish}]}
+    return make_span(
+        semconv.SPAN_LLM_CALL,
+        {
+            semconv.LLM_MODEL: "policy",
+            semconv.LLM_REQUEST: json.dumps(request),
+            semconv.LLM_RESPONSE: json.dumps(response),
+            semconv.LLM_FINISH_REASON: finish,
+            semconv.LLM_USAGE_PROMPT_TOKENS: usage[0],
+            semconv.LLM_USAGE_COMPLETION_TOKENS: usage[1],
+        },
+    )
+
+
+def tool_conversation() -> list[Span]:
+    """Two calls: the model presses 3, the tool answers, the model says the lock is open."""
+    first = llm_call_span(
+        PROMPT, {"role": "assistant", "content": None, "tool_calls": [PRESS]}, "tool_calls", (42, 9)
+    )
+    first.attributes[semconv.LLM_DIALECT] = (
+        semconv.DIALECT_CHAT_COMPLETIONS
+    )  # the second call names no dialect
+    answered = [
+        *PROMPT,
+        {"role": "assistant", "content": None, "tool_calls": [PRESS]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "click: 1 of 3 digits right"},
+    ]
+    second = llm_call_span(answered, {"role": "assistant", "content": "The lock is open."}, "stop", (61, 5))
+    second.start_time_unix_nano = first.end_time_unix_nano + 1_000_000
+    second.end_time_unix_nano = second.start_time_unix_nano + 5_000_000
+    return [second, first]  # stored out of order: the view orders by start time
+
+
+async def cli_out(client: StoreClient, *args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, *args, "--store", client.config.target,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=CLEAN_ENV,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err
+    return out.decode()
+
+
+async def test_rollout_shows_the_tool_calls_and_results_of_its_llm_calls(client: StoreClient) -> None:
+    rollout = await client.enqueue_rollout({"lock": [3, 1, 4]})
+    started = await client.dequeue_rollout(worker_id="worker-t", wait=1)
+    assert started is not None and started.latest_attempt is not None
+    ids = {"rollout_id": rollout.rollout_id, "attempt_id": started.latest_attempt.attempt_id}
+    await client.add_spans(tool_conversation(), **ids)
+    await client.complete_attempt(rollout.rollout_id, ids["attempt_id"], "succeeded")
+
+    out = await cli_out(client, "rollout", rollout.rollout_id)
+    assert out.split("\ninput:")[0].startswith("rollout:")  # the fields, input and attempts stay
+    calls = out.split("\nllm calls of attempt 1:\n")[1].splitlines()
+    assert calls == [
+        "  #1  chat_completions  finish tool_calls  tokens 42 in / 9 out  model policy",
+        "    tools: press, reset  (tool_choice auto)",
+        "    user: The lock has 3 digits.",
+        '    -> press({"digit": 3})  [call_1]',
+        "  #2  -  finish stop  tokens 61 in / 5 out  model policy",
+        "    tools: press, reset  (tool_choice auto)",
+        "    <- press [call_1]: click: 1 of 3 digits right",
+        "    assistant: The lock is open.",
+    ]
+
+    record = json.loads(await cli_out(client, "rollout", rollout.rollout_id, "--json"))
+    first, second = record["llm_calls"]
+    assert first["tool_calls"] == [{"call_id": "call_1", "name": "press", "arguments": '{"digit": 3}'}]
+    assert (first["dialect"], first["finish_reason"], first["prompt_tokens"]) == (
+        "chat_completions",
+        "tool_calls",
+        42,
+    )
+    assert first["tools"] == ["press", "reset"]
+    assert second["tool_results"] == [
+        {"call_id": "call_1", "name": "press", "content": "click: 1 of 3 digits right"}
+    ]
+    assert (second["dialect"], second["reply"], second["tool_calls"]) == ("", "The lock is open.", [])
+    assert (first["user"], second["user"]) == (["The lock has 3 digits."], [])
+
+    lines = (await cli_out(client, "spans", rollout.rollout_id)).splitlines()
+    assert [line.split()[2] for line in lines] == [semconv.SPAN_LLM_CALL] * 2
+    # in the order stored: the second call (no tool call), then the first
+    assert "tool_calls=" not in lines[0]
+    assert lines[1].split("ms  ", 1)[1].startswith('tool_calls=press({"digit": 3}) ')
+
+
 # ---------------------------------------------------------------- formatting
 def test_format_table_aligns_and_fills_empty_cells() -> None:
     text = format_table(("A", "LONG HEADER", "C"), [["x", None, 1], ["wider cell", "", "two\nlines"]])

@@ -24,6 +24,7 @@ from lightning_grpc.engine import EngineProcess
 from lightning_grpc.processes import Background
 from lightning_grpc.training.loop import run_experiment
 from lightning_grpc.types import RolloutStatus
+from tests.cli.test_cli import tool_conversation
 from tests.engine_fixtures import QUIET_ENV, ROOT
 from tests.helpers import start_services
 from tests.training.test_training import experiment
@@ -244,6 +245,36 @@ def test_a_rollouts_span_tree_shows_its_llm_calls_token_counts(live: Live, brows
     assert page.locator("[data-field=status]").inner_text() == "succeeded"
     assert page.locator(".attempt").count() == rollout.attempt_count
     browser.shot("rollout")
+
+
+def test_a_rollouts_llm_calls_show_their_tool_calls_tool_results_and_dialect(
+    live: Live, browser: Browser
+) -> None:
+    # a rollout started outside the queue (the runner does not take it), holding a two-call tool conversation
+    rollout = call(live, "start_rollout", {"lock": [3, 1, 4]}, group_id="tool-group")
+    attempt_id = rollout.latest_attempt.attempt_id
+    second, first = tool_conversation()
+    call(live, "add_spans", [first, second], rollout_id=rollout.rollout_id, attempt_id=attempt_id)
+    call(live, "complete_attempt", rollout.rollout_id, attempt_id, "succeeded")
+    page = browser.page
+    page.goto(f"{live.dashboard}/#/rollouts/{rollout.rollout_id}")
+    asked = page.locator(f".llm-call[data-span-id='{first.span_id}']")
+    asked.wait_for()
+    assert asked.locator("[data-field=dialect]").inner_text() == "chat_completions"
+    assert asked.locator("[data-field=finish]").inner_text() == "tool_calls"
+    assert asked.locator("[data-field=tools]").inner_text() == "press, reset (tool_choice auto)"
+    made = asked.locator(".msg.reply .tool-call[data-tool-call-id=call_1]")
+    assert made.locator(".tool-name").inner_text() == "press"
+    assert made.locator(".tool-args").inner_text() == '{"digit": 3}'
+    answered = page.locator(f".llm-call[data-span-id='{second.span_id}']")
+    assert answered.locator("[data-field=dialect]").inner_text() == "–"  # the call names none
+    result = answered.locator(".msg.tool-result[data-tool-call-id=call_1]")
+    assert result.locator(".role").inner_text() == "press →"
+    assert result.locator(".content").inner_text() == "click: 1 of 3 digits right"
+    # the assistant's earlier tool call is in this prompt too, and the reply is text
+    assert answered.locator(".msg.role-assistant:not(.reply) .tool-name").inner_text() == "press"
+    assert answered.locator(".msg.reply .content").inner_text() == "The lock is open."
+    browser.shot("rollout-tools")
 
 
 def test_a_failed_rollout_shows_its_agents_error(live: Live, browser: Browser) -> None:

@@ -7,6 +7,7 @@ import { h, fmt } from "../dom";
 import { keepOpen, throttle } from "../live";
 import { badge, rolloutStatus, attemptStatus, TERMINAL } from "../status";
 import { rewardOf } from "../reward";
+import { conversation, type Message, type ToolCall } from "../llm";
 import { plainValue as plain, semconv } from "@lightning-grpc/client/semconv";
 import { SpanStatusCode, type Span } from "@lightning-grpc/client/gen/lightning/v1/span_pb";
 import type { Rollout, Attempt } from "@lightning-grpc/client/gen/lightning/v1/rollout_pb";
@@ -14,30 +15,40 @@ import { toJson } from "@bufbuild/protobuf";
 import { ValueSchema } from "@bufbuild/protobuf/wkt";
 
 
-function json(text: unknown): unknown {
-  if (typeof text !== "string") return undefined;
-  try {
-    return JSON.parse(text);
-  } catch {
-    return undefined;
-  }
-}
-
 function count(value: unknown, fallback: unknown): number | undefined {
   if (Array.isArray(value)) return value.length;
   return typeof fallback === "number" ? fallback : undefined;
 }
 
+function toolCall(call: ToolCall): HTMLElement {
+  return h(
+    "div",
+    { class: "tool-call", "data-tool-call-id": call.id },
+    h("span", { class: "tool-name" }, call.name),
+    h("code", { class: "tool-args" }, call.arguments),
+    call.id ? h("span", { class: "muted" }, ` ${call.id}`) : null,
+  );
+}
+
+function messageRow(m: Message, reply = false): HTMLElement {
+  const result = m.toolCallId !== undefined;
+  return h(
+    "div",
+    { class: `msg role-${m.role}${reply ? " reply" : ""}${result ? " tool-result" : ""}`, "data-tool-call-id": m.toolCallId },
+    h("span", { class: "role" }, reply ? "reply" : result ? `${m.toolName || "tool"} →` : m.role),
+    h("span", { class: "content" }, m.content, ...m.toolCalls.map(toolCall)),
+  );
+}
+
 function llmCall(span: Span): HTMLElement {
   const at = (k: string) => plain(span.attributes[k]);
-  const request = json(at(semconv.LLM_REQUEST)) as { messages?: { role: string; content: unknown }[]; prompt?: unknown } | undefined;
-  const response = json(at(semconv.LLM_RESPONSE)) as { choices?: { message?: { content?: string }; text?: string }[] } | undefined;
+  const talk = conversation(at(semconv.LLM_REQUEST), at(semconv.LLM_RESPONSE));
   const promptTokens = count(at(semconv.LLM_PROMPT_TOKEN_IDS), at(semconv.LLM_USAGE_PROMPT_TOKENS));
   const responseTokens = count(at(semconv.LLM_RESPONSE_TOKEN_IDS), at(semconv.LLM_USAGE_COMPLETION_TOKENS));
   const logprobs = (at(semconv.LLM_RESPONSE_LOGPROBS) as number[] | undefined) ?? [];
-  const reply = response?.choices?.[0]?.message?.content ?? response?.choices?.[0]?.text;
-  const messages = request?.messages ?? (request?.prompt !== undefined ? [{ role: "prompt", content: request.prompt }] : []);
+  const reply = talk.reply;
   const error = at(semconv.LLM_ERROR);
+  const choice = talk.toolChoice === undefined ? "" : ` (tool_choice ${typeof talk.toolChoice === "string" ? talk.toolChoice : JSON.stringify(talk.toolChoice)})`;
   return h(
     "div",
     { class: "llm-call", "data-span-id": span.spanId },
@@ -45,18 +56,20 @@ function llmCall(span: Span): HTMLElement {
       "dl",
       { class: "facts" },
       h("dt", {}, "model"), h("dd", {}, String(at(semconv.LLM_MODEL) ?? "–")),
+      h("dt", {}, "dialect"), h("dd", { "data-field": "dialect" }, String(at(semconv.LLM_DIALECT) ?? "–")),
       h("dt", {}, "policy version"), h("dd", { "data-field": "policy-version" }, String(at(semconv.LLM_POLICY_VERSION) ?? "–")),
       h("dt", {}, "prompt tokens"), h("dd", { "data-field": "prompt-tokens" }, fmt(promptTokens)),
       h("dt", {}, "response tokens"), h("dd", { "data-field": "response-tokens" }, fmt(responseTokens)),
-      h("dt", {}, "finish"), h("dd", {}, String(at(semconv.LLM_FINISH_REASON) ?? "–")),
+      h("dt", {}, "finish"), h("dd", { "data-field": "finish" }, String(at(semconv.LLM_FINISH_REASON) ?? "–")),
       h("dt", {}, "latency"), h("dd", {}, at(semconv.LLM_LATENCY_MS) !== undefined ? `${fmt(Number(at(semconv.LLM_LATENCY_MS)), 1)} ms` : "–"),
+      ...(talk.tools.length ? [h("dt", {}, "tools"), h("dd", { "data-field": "tools" }, `${talk.tools.join(", ")}${choice}`)] : []),
     ),
     error ? h("p", { class: "error" }, String(error)) : null,
     h(
       "div",
       { class: "messages" },
-      ...messages.map((m) => h("div", { class: `msg role-${m.role}` }, h("span", { class: "role" }, m.role), h("span", { class: "content" }, typeof m.content === "string" ? m.content : JSON.stringify(m.content)))),
-      reply !== undefined ? h("div", { class: "msg role-assistant reply" }, h("span", { class: "role" }, "reply"), h("span", { class: "content" }, reply)) : null,
+      ...talk.messages.map((m) => messageRow(m)),
+      reply && (reply.content || reply.toolCalls.length) ? messageRow(reply, true) : null,
     ),
     logprobs.length
       ? h(
