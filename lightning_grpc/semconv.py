@@ -67,6 +67,9 @@ PRIMARY = "primary"
 LLM_PROMPT_TOKEN_IDS = "lightning.llm.prompt_token_ids"
 LLM_RESPONSE_TOKEN_IDS = "lightning.llm.response_token_ids"
 LLM_RESPONSE_LOGPROBS = "lightning.llm.response_logprobs"
+#: Response positions a grammar forced (the only token allowed): not the policy's choice, not trained.
+#: An int list of indices into LLM_RESPONSE_TOKEN_IDS, present only when the call had a grammar.
+LLM_RESPONSE_FORCED_POSITIONS = "lightning.llm.response_forced_positions"
 LLM_MODEL = "lightning.llm.model"
 LLM_BACKEND = "lightning.llm.backend"
 LLM_POLICY_VERSION = "lightning.llm.policy_version"

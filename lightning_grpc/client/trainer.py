@@ -178,6 +178,7 @@ def _triplet(m: pb.Triplet) -> Triplet:
         agent_name=m.agent_name,
         finish_reason=m.finish_reason,
         streamed=m.streamed,
+        forced_positions=np.fromiter(m.forced_positions, dtype=np.int32, count=len(m.forced_positions)),
     )
 
 

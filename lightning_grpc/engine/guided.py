@@ -5,6 +5,8 @@ checks a request's grammar before it is queued (so a bad schema is a 400, not a 
 each constrained sequence its own matcher. The scheduler asks ``mask_rows`` for the tokens each
 constrained row may take next and sets the others to -inf before sampling; only rows with a matcher pay
 for it. Log-probs are taken before the mask, so they stay the model's own (as vLLM reports by default).
+``mask_rows`` also says which rows the grammar allowed exactly one token: that token is forced, not the
+policy's choice, and the engine reports its position so that training leaves it out of the loss.
 """
 
 from __future__ import annotations
@@ -65,8 +67,11 @@ class Grammars:
         return matcher
 
 
-def mask_rows(logits: torch.Tensor, rows: Sequence[tuple[int, llguidance.LLMatcher]]) -> torch.Tensor:
-    """A copy of ``logits`` where each listed row allows only its matcher's next tokens."""
+def mask_rows(
+    logits: torch.Tensor, rows: Sequence[tuple[int, llguidance.LLMatcher]]
+) -> tuple[torch.Tensor, list[bool]]:
+    """A copy of ``logits`` where each listed row allows only its matcher's next tokens, and per listed row
+    whether exactly one token was allowed (sampling had no choice: a forced token, not to be trained)."""
     vocab = logits.shape[1]
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
     for slot, (_, matcher) in enumerate(rows):
@@ -78,4 +83,5 @@ def mask_rows(logits: torch.Tensor, rows: Sequence[tuple[int, llguidance.LLMatch
     index = torch.tensor([row for row, _ in rows], dtype=torch.long)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return masked
+    forced = (allowed.sum(dim=1) == 1).tolist()
+    return masked, forced

@@ -27,7 +27,9 @@ grammar's mask), as vLLM reports by default.
 A sequence whose parameters carry a ``grammar`` (a forced tool call) gets an llguidance matcher: before
 sampling, its row's logits are masked to the tokens the grammar allows (``guided.mask_rows``), after
 sampling the matcher takes the token, and once the grammar is complete it allows only the end of turn,
-which ends the sequence. Rows without a grammar skip all of this.
+which ends the sequence. Each of its updates says whether the token was forced (the mask allowed only
+that one), so the server can report the positions the policy did not choose. Rows without a grammar
+skip all of this (their updates' ``forced`` is None).
 
 Weight updates never mix versions within a response: a pending update stops the admission of requests
 that have not started, lets every running sequence (and the rest of a request already started) finish
@@ -82,6 +84,8 @@ class SequenceUpdate:
     offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: Per new token, whether a grammar allowed only it (None: the sequence has no grammar).
+    forced: list[bool] | None = None
 
 
 @dataclass
@@ -149,7 +153,9 @@ class _Sequence:
             return True
         return complete
 
-    def advance(self, token: int, logprob: TokenLogprob | None, eos_ids: frozenset[int]) -> SequenceUpdate:
+    def advance(
+        self, token: int, logprob: TokenLogprob | None, eos_ids: frozenset[int], forced: bool | None = None
+    ) -> SequenceUpdate:
         offset = self.text.add(token)
         params = self.params
         finish: str | None = None
@@ -175,6 +181,7 @@ class _Sequence:
             offsets=[offset],
             finish_reason=finish,
             stop_reason=stop_reason,
+            forced=None if forced is None else [forced],
         )
 
 
@@ -401,15 +408,18 @@ class Scheduler:
         raw = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
         adjusted = self._adjust(logits, seqs)
         constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        forced: list[bool | None] = [None] * len(seqs)
         if constrained:
-            adjusted = mask_rows(adjusted, constrained)
+            adjusted, only = mask_rows(adjusted, constrained)
+            for (row, _), one in zip(constrained, only, strict=True):
+                forced[row] = one
         greedy = adjusted.argmax(dim=-1)
         tokens = greedy
         if not all(p.greedy for p in params):
             sampled = self._draw(adjusted, seqs)
             is_greedy = torch.tensor([p.greedy for p in params])
             tokens = torch.where(is_greedy, greedy, sampled)
-        self._deliver(seqs, tokens.tolist(), raw, want_logprobs)
+        self._deliver(seqs, tokens.tolist(), raw, want_logprobs, forced)
         return tokens
 
     def _adjust(self, logits: torch.Tensor, seqs: list[_Sequence]) -> torch.Tensor:
@@ -450,7 +460,12 @@ class Scheduler:
         return torch.searchsorted(cdf, target)[:, 0].clamp(max=cdf.shape[1] - 1)
 
     def _deliver(
-        self, seqs: list[_Sequence], tokens: list[int], raw: torch.Tensor | None, want: list[int | None]
+        self,
+        seqs: list[_Sequence],
+        tokens: list[int],
+        raw: torch.Tensor | None,
+        want: list[int | None],
+        forced: list[bool | None],
     ) -> None:
         chosen: list[float] = []
         top_ids: list[list[int]] = []
@@ -468,7 +483,8 @@ class Scheduler:
                 k = want[i] or 0
                 top = list(zip(top_ids[i][:k], top_values[i][:k], strict=True)) if k else []
                 logprob = TokenLogprob(token, chosen[i], top)
-            by_request.setdefault(seq.sub, []).append(seq.advance(token, logprob, self.eos_ids))
+            update = seq.advance(token, logprob, self.eos_ids, forced[i])
+            by_request.setdefault(seq.sub, []).append(update)
         for sub, updates in by_request.items():
             if not sub.cancelled:
                 _safe_sink(sub, StepEvent(sub.policy_version, updates))

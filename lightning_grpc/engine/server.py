@@ -19,6 +19,11 @@ Tools, as vLLM's hermes parser: with ``tools`` (``tool_choice`` "auto" by defaul
 null) and ``finish_reason`` "tool_calls"; streamed, content deltas until a block starts, then one
 ``tool_calls`` delta per completed block, every chunk still carrying its ``token_ids``. "required" or a
 named function constrains sampling with llguidance to one such call (see ``tools`` and ``guided``).
+Such a constrained choice also has ``forced_token_positions`` next to its ``token_ids`` (with
+``return_token_ids`` only; streaming: per chunk, indices into that chunk's ``token_ids``): the indices of
+the tokens the grammar forced, i.e. the only token it allowed at that step. They were not the policy's
+choice, so a trainer leaves them out of the loss (their log-probs are still the model's own). A request
+without a grammar has no such field: its answer is exactly as before.
 Errors are
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request, 404 for an unknown model
 or path, 401 for a wrong key when ``api_key`` is set, 500 if generation itself fails.
@@ -148,8 +153,12 @@ class _Choice:
     offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: Per token, whether a grammar forced it (None: no grammar).
+    forced: list[bool] | None = None
 
     def add(self, update: SequenceUpdate) -> None:
+        if update.forced is not None:
+            self.forced = [*(self.forced or []), *update.forced]
         self.token_ids += update.token_ids
         self.text.append(update.text)
         self.logprobs += update.logprobs
@@ -691,6 +700,8 @@ class EngineServer:
             if job.kind == "completion":
                 out["prompt_token_ids"] = job.prompts[choice.index // job.request.n]
             out["token_ids"] = choice.token_ids
+            if choice.forced is not None:
+                out["forced_token_positions"] = _positions(choice.forced)
         return out
 
     # ------------------------------------------------------------ streaming
@@ -762,6 +773,8 @@ class EngineServer:
             if job.kind == "completion" and first:
                 out["prompt_token_ids"] = job.prompts[update.index // job.request.n]
             out["token_ids"] = update.token_ids
+            if update.forced is not None:
+                out["forced_token_positions"] = _positions(update.forced)
         return out
 
     # ------------------------------------------------------------ logprobs
@@ -822,6 +835,8 @@ class _ChunkWriter:
             }
             if self.job.request.return_token_ids:
                 choice["token_ids"] = []
+                if self.job.request.params.grammar is not None:
+                    choice["forced_token_positions"] = []
             await self._send([choice])
 
     async def update(self, update: SequenceUpdate) -> None:
@@ -901,6 +916,11 @@ def _tool_delta(calls: tools.ToolCallStream, update: SequenceUpdate) -> tuple[di
     if new_calls:
         delta["tool_calls"] = new_calls
     return delta, finish_reason
+
+
+def _positions(forced: list[bool]) -> list[int]:
+    """The indices of the forced tokens: few ints on the wire rather than a flag per token."""
+    return [i for i, one in enumerate(forced) if one]
 
 
 def _finite(value: float) -> float:

@@ -5,6 +5,9 @@ level and ``token_ids`` per choice; legacy completions carry both per choice. Wh
 ``prompt_token_ids`` comes with the first chunk only and each chunk's ``token_ids`` holds the new
 tokens, so the ids of a stream are the concatenation of its chunks' ids. Log-probs: chat
 ``choices[].logprobs.content[].logprob``, completions ``choices[].logprobs.token_logprobs``.
+The embedded engine's ``forced_token_positions`` (a constrained choice: the tokens its grammar forced)
+index that choice's ``token_ids``, or in a stream that chunk's, so a chunk's are offset by the ids
+gathered before it.
 
 Only choice 0 is gathered (agents ask for one choice; ``n > 1`` is kept in the recorded response).
 """
@@ -75,6 +78,8 @@ class Capture:
     prompt_token_ids: list[int] | None = None
     response_token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    #: Indices into ``response_token_ids`` of the tokens a grammar forced (None: the backend sent none).
+    forced_positions: list[int] | None = None
     finish_reason: str = ""
     response_id: str = ""
     model: str = ""
@@ -116,6 +121,7 @@ class Capture:
         if self.prompt_token_ids is None:
             self.prompt_token_ids = _int_list(choice.get("prompt_token_ids"))
         self.response_token_ids = _int_list(choice.get("token_ids"))
+        self.forced_positions = _int_list(choice.get("forced_token_positions"))
         self.logprobs = _choice_logprobs(self.kind, choice)
         self.finish_reason = str(choice.get("finish_reason") or "")
 
@@ -129,6 +135,7 @@ class Capture:
         if self.prompt_token_ids is None:
             self.prompt_token_ids = _int_list(choice.get("prompt_token_ids"))
         ids = _int_list(choice.get("token_ids"))
+        self._add_forced(choice, ids)
         if ids is not None:
             self.response_token_ids = (self.response_token_ids or []) + ids
         lps = _choice_logprobs(self.kind, choice)
@@ -140,6 +147,16 @@ class Capture:
             self._add_delta(choice.get("delta"))
         elif isinstance(choice.get("text"), str):
             self._text.append(choice["text"])
+
+    def _add_forced(self, choice: dict[str, Any], ids: list[int] | None) -> None:
+        """A chunk's forced positions, shifted to index the whole response (call before adding its ids)."""
+        positions = _int_list(choice.get("forced_token_positions"))
+        if positions is None:
+            return
+        offset = len(self.response_token_ids or [])
+        self.forced_positions = (self.forced_positions or []) + [
+            offset + i for i in positions if 0 <= i < len(ids or [])
+        ]
 
     def _add_delta(self, delta: Any) -> None:
         if not isinstance(delta, dict):

@@ -104,6 +104,8 @@ def llm_call_span(rec: CallRecord) -> Span:
         attrs[semconv.LLM_PROMPT_TOKEN_IDS] = cap.prompt_token_ids
     if cap.response_token_ids is not None:
         attrs[semconv.LLM_RESPONSE_TOKEN_IDS] = cap.response_token_ids
+    if cap.forced_positions is not None and cap.response_token_ids is not None:
+        attrs[semconv.LLM_RESPONSE_FORCED_POSITIONS] = cap.forced_positions
     if cap.logprobs is not None and all(math.isfinite(x) for x in cap.logprobs):
         attrs[semconv.LLM_RESPONSE_LOGPROBS] = [float(x) for x in cap.logprobs]
     if cap.response_id:

@@ -239,6 +239,7 @@ class TrainerServicer(ServicerState, pb_grpc.TrainerServiceServicer):
                 agent_name=t.agent_name,
                 finish_reason=t.finish_reason,
                 streamed=t.streamed,
+                forced_positions=t.forced_positions.tolist(),
             )
             if t.logprobs is not None:
                 m.log_probs.extend(t.logprobs.tolist())

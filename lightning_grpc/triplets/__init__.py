@@ -11,7 +11,10 @@ rollouts or attempts raise ValueError), attributes decoded. Span and attribute n
 
 **Calls.** The tokens' source of truth is the proxy's span per LLM call (``semconv.SPAN_LLM_CALL``):
 ``LLM_PROMPT_TOKEN_IDS``, ``LLM_RESPONSE_TOKEN_IDS``, ``LLM_RESPONSE_LOGPROBS`` (kept only when finite and
-one per response token), ``LLM_POLICY_VERSION`` (-1 when absent). Call order: start time, then sequence id.
+one per response token), ``LLM_POLICY_VERSION`` (-1 when absent), ``LLM_RESPONSE_FORCED_POSITIONS`` (the
+response positions a grammar forced, e.g. the frame of a forced tool call: ``Triplet.forced_positions``,
+sorted; malformed values ignored, positions out of range left out; for ``n > 1`` the other choices' come
+from ``choices[i].forced_token_positions``). Call order: start time, then sequence id.
 Ids are int32 numpy arrays, log-probs float32.
 
 **Trace tree** (:mod:`.tree`). Children in call order; a parent id naming no given span becomes a virtual
@@ -46,6 +49,8 @@ reward yet (call order decides when a time is missing). ``"first_sibling"``: the
 span's siblings only. Triplets without a reward have ``reward=None``.
 
 **Rows** (:func:`rows_from_triplets`). ``"transition"``: one row per triplet, reward its reward or 0.0.
+In either mode, a response token a grammar forced (``Triplet.forced_positions``) has mask 0 (not the policy's
+choice; its logprob stays as recorded), so a call whose every token was forced trains nothing.
 ``"trajectory"``: the calls of each agent (``Triplet.agent_name``; "" when none names one) form one chain in
 call order, and a chain is one row when every call's prompt starts with the previous call's prompt +
 response, token for token: the prompt tokens after them (the observation: tool outputs, environment text)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from lightning_grpc import semconv
 
-from .tokens import logprobs_from, token_ids_from
+from .tokens import EMPTY_IDS, logprobs_from, token_ids_from
 from .tree import Node
 
 # A choice index of 1 or more in a response body: only such bodies are parsed for their other choices.
@@ -27,6 +27,8 @@ class Choice:
     response_ids: np.ndarray | None
     logprobs: np.ndarray | None
     finish_reason: str
+    #: int32, sorted and unique: the response positions a grammar forced (see ``forced_positions_from``).
+    forced_positions: np.ndarray = field(default_factory=lambda: EMPTY_IDS)
 
 
 @dataclass(eq=False)
@@ -55,14 +57,19 @@ def read_call(node: Node, index: int) -> Call:
     span = node.span
     response_ids = token_ids_from(attributes.get(semconv.LLM_RESPONSE_TOKEN_IDS))
     logprobs = None
+    forced = EMPTY_IDS
     if response_ids is not None:
         logprobs = logprobs_from(attributes.get(semconv.LLM_RESPONSE_LOGPROBS), len(response_ids))
+        forced = forced_positions_from(
+            attributes.get(semconv.LLM_RESPONSE_FORCED_POSITIONS), len(response_ids)
+        )
+    finish_reason = str(attributes.get(semconv.LLM_FINISH_REASON) or "")
     version = attributes.get(semconv.LLM_POLICY_VERSION)
     return Call(
         node=node,
         index=index,
         prompt_ids=token_ids_from(attributes.get(semconv.LLM_PROMPT_TOKEN_IDS)),
-        choice0=Choice(0, response_ids, logprobs, str(attributes.get(semconv.LLM_FINISH_REASON) or "")),
+        choice0=Choice(0, response_ids, logprobs, finish_reason, forced),
         error=semconv.read_llm_error(
             attributes,
             span.status_code if span is not None else 0,
@@ -75,6 +82,16 @@ def read_call(node: Node, index: int) -> Call:
         agent_name=agent_above(node),
         in_reward_scope=is_under_reward_scope(node),
     )
+
+
+def forced_positions_from(value: Any, length: int) -> np.ndarray:
+    """The forced positions as sorted unique int32 indices below ``length``. A missing or malformed value
+    gives none (a bad attribute must not fail the call: it then trains every token, as before), and
+    positions past the response are dropped."""
+    positions = token_ids_from(value)
+    if positions is None or not positions.size:
+        return EMPTY_IDS
+    return np.unique(positions[positions < length])
 
 
 def agent_above(node: Node) -> str:
@@ -111,7 +128,12 @@ def other_choices(attributes: Mapping[str, Any]) -> list[Choice]:
             continue
         ids = token_ids_from(choice.get("token_ids"))
         logprobs = logprobs_from(choice_logprobs(choice), len(ids)) if ids is not None else None
-        found[index] = Choice(index, ids, logprobs, str(choice.get("finish_reason") or ""))
+        forced = (
+            forced_positions_from(choice.get("forced_token_positions"), len(ids))
+            if ids is not None
+            else EMPTY_IDS
+        )
+        found[index] = Choice(index, ids, logprobs, str(choice.get("finish_reason") or ""), forced)
     return [found[index] for index in sorted(found)]
 
 

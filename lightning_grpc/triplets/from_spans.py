@@ -221,4 +221,5 @@ def triplet_of(call: Call, choice: Choice, position: int) -> Triplet:
         agent_name=call.agent_name,
         finish_reason=choice.finish_reason,
         streamed=call.streamed,
+        forced_positions=choice.forced_positions,
     )

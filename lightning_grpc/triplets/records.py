@@ -66,6 +66,9 @@ class Triplet:
     agent_name: str
     finish_reason: str
     streamed: bool
+    #: int32, sorted indices into ``response_ids`` of the tokens a grammar forced (the only token it
+    #: allowed): not the policy's choice, so their rows' ``response_mask`` is 0 there.
+    forced_positions: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
 
 
 @dataclass(eq=False)

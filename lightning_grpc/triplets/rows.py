@@ -19,7 +19,8 @@ from .tokens import first_difference, logprobs_from
 @dataclass(eq=False)
 class Row:
     """One training row. ``response_mask`` is 1 at the model's own tokens and 0 at observation tokens
-    (``logprobs`` holds 0.0 there)."""
+    (``logprobs`` holds 0.0 there) and at the tokens a grammar forced (``Triplet.forced_positions``: the
+    policy did not choose them; their ``logprobs`` stay as recorded)."""
 
     prompt_ids: np.ndarray  # int32
     response_ids: np.ndarray  # int32
@@ -137,12 +138,21 @@ def logprobs_of(triplet: Triplet, response: np.ndarray) -> np.ndarray | None:
     return logprobs_from(triplet.logprobs, len(response))
 
 
+def mask_of(triplet: Triplet, response: np.ndarray) -> np.ndarray:
+    """1 at each of the call's response tokens the policy chose, 0 where a grammar forced the token:
+    training a token the sampler had no choice over only adds gradient and KL noise."""
+    mask = np.ones(len(response), dtype=np.uint8)
+    forced = np.asarray(triplet.forced_positions, dtype=np.int64)
+    mask[forced[(forced >= 0) & (forced < len(response))]] = 0
+    return mask
+
+
 def row_of_call(triplet: Triplet) -> Row:
     response = ids_of(triplet.response_ids)
     return Row(
         prompt_ids=ids_of(triplet.prompt_ids),
         response_ids=response,
-        response_mask=np.ones(len(response), dtype=np.uint8),
+        response_mask=mask_of(triplet, response),
         logprobs=logprobs_of(triplet, response),
         reward=float(triplet.reward) if triplet.reward is not None else 0.0,
         turn_index=triplet.call_index,
@@ -160,7 +170,7 @@ class TrajectoryRow:
         self.last_prompt = self.prompt
         self.last_response = ids_of(first.response_ids)
         self.responses: list[np.ndarray] = [self.last_response]
-        self.masks: list[np.ndarray] = [np.ones(len(self.last_response), dtype=np.uint8)]
+        self.masks: list[np.ndarray] = [mask_of(first, self.last_response)]
         first_logprobs = logprobs_of(first, self.last_response)
         self.logprobs: list[np.ndarray] | None = [first_logprobs] if first_logprobs is not None else None
         self.rewards = [first.reward]
@@ -174,7 +184,7 @@ class TrajectoryRow:
         response = ids_of(triplet.response_ids)
         observation = prompt[len(self.last_prompt) + len(self.last_response) :]
         self.responses += [observation, response]
-        self.masks += [np.zeros(len(observation), dtype=np.uint8), np.ones(len(response), dtype=np.uint8)]
+        self.masks += [np.zeros(len(observation), dtype=np.uint8), mask_of(triplet, response)]
         logprobs = logprobs_of(triplet, response)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs += [np.zeros(len(observation), dtype=np.float32), logprobs]

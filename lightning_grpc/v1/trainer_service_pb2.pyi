@@ -1051,6 +1051,7 @@ class Triplet(_message.Message):
     AGENT_NAME_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     STREAMED_FIELD_NUMBER: _builtins.int
+    FORCED_POSITIONS_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """Absent when no reward was matched to the call."""
     span_id: _builtins.str
@@ -1067,6 +1068,12 @@ class Triplet(_message.Message):
     def response_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def log_probs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def forced_positions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Response positions a grammar forced (the only token it allowed, e.g. the frame of a forced tool call):
+        not the policy's choice, so not trained (mask 0 in the rows).
+        """
+
     def __init__(
         self,
         *,
@@ -1082,10 +1089,11 @@ class Triplet(_message.Message):
         agent_name: _builtins.str = ...,
         finish_reason: _builtins.str = ...,
         streamed: _builtins.bool = ...,
+        forced_positions: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "agent_name", b"agent_name", "call_index", b"call_index", "finish_reason", b"finish_reason", "log_probs", b"log_probs", "model", b"model", "policy_version", b"policy_version", "prompt_ids", b"prompt_ids", "response_id", b"response_id", "response_ids", b"response_ids", "reward", b"reward", "span_id", b"span_id", "streamed", b"streamed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "agent_name", b"agent_name", "call_index", b"call_index", "finish_reason", b"finish_reason", "forced_positions", b"forced_positions", "log_probs", b"log_probs", "model", b"model", "policy_version", b"policy_version", "prompt_ids", b"prompt_ids", "response_id", b"response_id", "response_ids", b"response_ids", "reward", b"reward", "span_id", b"span_id", "streamed", b"streamed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
     _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015

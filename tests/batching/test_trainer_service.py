@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from lightning_grpc import semconv
 from lightning_grpc.batching import BatchOptions, GroupSample
 from lightning_grpc.batching.tensors import PARALLEL_PAD_POSITIONS, PackRow, pack, pad
 from lightning_grpc.client import StoreClient, SyncTrainerClient, TrainerClient
@@ -433,6 +434,25 @@ async def test_a_re_rendered_history_falls_back_to_calls_and_is_counted_in_the_b
     assert len(report.rows) == 3
     assert (await trainer.triplets(exact, aggregation="trajectory")).aggregation_fallback is None
     assert (await trainer.triplets(re_rendered, aggregation="transition")).aggregation_fallback is None
+
+
+async def test_tokens_a_grammar_forced_are_not_trained_and_reach_the_triplets(
+    trainer: TrainerClient, client: StoreClient
+) -> None:
+    """A forced tool call: the engine marked every response position but the one the policy chose."""
+    [group] = await trainer.submit_groups(["a"], 1)
+    [rollout_id] = group.rollout_ids
+    [rollout] = await client.dequeue_rollouts(1, worker_id="w", wait=5)
+    forced = llm_call([1, 2], [10, 11, 3, 12, 13], logprobs=[-0.5] * 5)
+    forced.attributes[semconv.LLM_RESPONSE_FORCED_POSITIONS] = [0, 1, 3, 4]
+    attempt = rollout.latest_attempt
+    assert attempt is not None and rollout.rollout_id == rollout_id
+    await client.add_spans([forced, reward_span(1.0)], rollout_id=rollout_id, attempt_id=attempt.attempt_id)
+    await client.complete_attempt(rollout_id, attempt.attempt_id, "succeeded")
+    batch = await trainer.get_batch(pad_token_id=0)
+    assert batch.arrays["response_mask"][0].tolist() == [0, 0, 1, 0, 0]
+    [triplet] = (await trainer.triplets(rollout_id)).triplets
+    assert triplet.forced_positions.tolist() == [0, 1, 3, 4]
 
 
 # ================================================================= steps and status

@@ -372,6 +372,69 @@ async def test_unconstrained_sequences_are_untouched_by_a_constrained_neighbour(
     assert [c["finish_reason"] for c in together[1]["choices"]] == ["tool_calls"] * 3
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@on_engine
+async def test_a_forced_calls_forced_positions_are_every_token_but_the_digit(
+    client: openai.AsyncOpenAI, tokenizer: Any, seed: int
+) -> None:
+    """With one tool and a digit enum the only choice is the digit: every other token of the block, and the
+    end of turn after it, was the only token the grammar allowed."""
+    data = await chat(client, tools=[PRESS], tool_choice=NAMED, seed=seed, temperature=1.5)
+    choice = data["choices"][0]
+    ids, forced = choice["token_ids"], choice["forced_token_positions"]
+    free = [i for i in range(len(ids)) if i not in set(forced)]
+    assert sorted(forced) == forced and len(set(forced)) == len(forced)
+    assert [tokenizer.decode([ids[i]]) for i in free] == [
+        str(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])["digit"])
+    ]
+    assert ids[-1] == tokenizer.eos_token_id and len(ids) - 1 in forced
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+@on_engine
+async def test_streamed_forced_positions_are_the_whole_responses(
+    client: openai.AsyncOpenAI, tool_choice: Any
+) -> None:
+    whole = await chat(client, tool_choice=tool_choice, seed=3, temperature=1.5)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=200,
+        seed=3,
+        temperature=1.5,
+        stream=True,
+        extra_body=TOKEN_IDS,
+    )
+    ids: list[int] = []
+    forced: list[int] = []
+    async for chunk in stream:
+        for choice in chunk.model_dump()["choices"]:
+            forced += [len(ids) + i for i in choice["forced_token_positions"]]
+            assert all(0 <= i < len(choice["token_ids"]) for i in choice["forced_token_positions"])
+            ids += choice["token_ids"]
+    expected = whole["choices"][0]
+    assert ids == expected["token_ids"] and forced == expected["forced_token_positions"]
+    assert 0 < len(forced) < len(ids)
+
+
+@on_engine
+async def test_unconstrained_answers_have_no_forced_positions(client: openai.AsyncOpenAI) -> None:
+    for tool_choice in ("auto", "none"):
+        data = await chat(client, tool_choice=tool_choice, max_tokens=8)
+        assert "forced_token_positions" not in data["choices"][0]
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, stream=True, extra_body=TOKEN_IDS
+    )
+    async for chunk in stream:
+        assert all("forced_token_positions" not in c for c in chunk.model_dump()["choices"])
+    without_ids = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=200
+    )
+    assert "forced_token_positions" not in without_ids.model_dump()["choices"][0]
+
+
 @on_engine
 async def test_a_schema_llguidance_cannot_compile_is_a_400_naming_tools(engine: EngineServer) -> None:
     bad: Any = {"type": "function", "function": {"name": "x", "parameters": {"type": "no-such-type"}}}

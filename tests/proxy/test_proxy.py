@@ -204,6 +204,46 @@ async def test_streamed_and_whole_calls_record_identical_ids(
     assert second.attributes[semconv.LLM_USAGE_COMPLETION_TOKENS] == 24
 
 
+PRESS: Any = {
+    "type": "function",
+    "function": {
+        "name": "press",
+        "parameters": {
+            "type": "object",
+            "properties": {"digit": {"type": "integer", "enum": list(range(10))}},
+            "required": ["digit"],
+        },
+    },
+}
+
+
+async def test_a_forced_calls_positions_are_recorded_streamed_or_not(
+    proxy: LLMProxy, store: StoreClient, tokenizer: Any
+) -> None:
+    """The engine forces every token of a named call but the digit: the span says which, streamed or not."""
+    rid, aid = await new_attempt(store)
+    client = agent(proxy, rid, aid)
+    params: dict[str, Any] = {
+        "messages": MESSAGES,
+        "tools": [PRESS],
+        "tool_choice": {"type": "function", "function": {"name": "press"}},
+        "max_tokens": 100,
+        "temperature": 1.5,
+        "seed": 4,
+    }
+    await client.chat.completions.create(model=MODEL, **params)
+    await stream_chat(client, **params)
+    await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    whole, streamed, plain = await llm_spans(store, rid)
+    ids = whole.attributes[semconv.LLM_RESPONSE_TOKEN_IDS]
+    forced = whole.attributes[semconv.LLM_RESPONSE_FORCED_POSITIONS]
+    assert streamed.attributes[semconv.LLM_RESPONSE_TOKEN_IDS] == ids
+    assert streamed.attributes[semconv.LLM_RESPONSE_FORCED_POSITIONS] == forced
+    [free] = sorted(set(range(len(ids))) - set(forced))
+    assert tokenizer.decode([ids[free]]).isdigit() and len(ids) - 1 in forced
+    assert semconv.LLM_RESPONSE_FORCED_POSITIONS not in plain.attributes
+
+
 async def test_stream_reaches_the_agent_while_the_engine_still_generates(
     proxy: LLMProxy, store: StoreClient
 ) -> None:

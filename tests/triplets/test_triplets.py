@@ -21,6 +21,7 @@ from lightning_grpc.triplets import (
     rows_from_triplets,
     triplets_from_spans,
 )
+from lightning_grpc.triplets.calls import other_choices, read_call
 from lightning_grpc.triplets.tree import LOST_PARENT, VIRTUAL_ROOT, TraceTree
 from lightning_grpc.types import Span
 
@@ -640,6 +641,7 @@ def triplet(
     response: list[int],
     logprobs: list[float] | None = None,
     reward: float | None = None,
+    forced: list[int] | None = None,
 ) -> Triplet:
     return Triplet(
         prompt_ids=ids(prompt),
@@ -654,6 +656,7 @@ def triplet(
         agent_name="",
         finish_reason=f"f{call_index}",
         streamed=False,
+        forced_positions=ids(forced or []),
     )
 
 
@@ -823,6 +826,60 @@ def test_rows_with_no_trainable_token_are_not_made() -> None:
     trajectory = rows_from_triplets(triplets, "trajectory")
     assert [r.call_span_ids for r in trajectory.rows] == [["s1"]]
     assert trajectory.breaks == [1]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ([5, 0, 2, 2], [0, 2, 5]),  # sorted, once each
+        ([1, 6, 99], [1]),  # out of range: left out
+        (None, []),
+        ("0,1", []),  # malformed: ignored
+        ([0, -1], []),
+        ([0.5], []),
+    ],
+)
+def test_forced_positions_are_read_from_the_span_and_malformed_ones_ignored(
+    value: Any, expected: list[int]
+) -> None:
+    made = llm("c", [1], [2, 3, 4, 5, 6, 7])
+    if value is not None:
+        made.attributes[semconv.LLM_RESPONSE_FORCED_POSITIONS] = value
+    (node,) = TraceTree.from_spans([made]).llm_calls()
+    forced = read_call(node, 0).choice0.forced_positions
+    assert forced.dtype == np.int32 and forced.tolist() == expected
+
+
+def test_the_other_choices_forced_positions_come_from_the_recorded_body() -> None:
+    body = n_choices_body()
+    body["choices"][1]["forced_token_positions"] = [1, 7]
+    first, second = other_choices({semconv.LLM_RESPONSE: json.dumps(body)})
+    assert (first.forced_positions.tolist(), second.forced_positions.tolist()) == ([1], [])
+
+
+def test_forced_tokens_are_masked_out_of_transition_rows_with_their_logprobs_kept() -> None:
+    triplets = [triplet(0, [1, 2], [3, 4, 5, 6], [-1.0, -0.5, -0.25, -2.0], forced=[0, 1, 3])]
+    (row,) = rows_from_triplets(triplets, "transition").rows
+    assert row.response_mask.tolist() == [0, 0, 1, 0] and row.trainable_tokens == 1
+    assert row.logprobs is not None and row.logprobs.tolist() == [-1.0, -0.5, -0.25, -2.0]
+
+
+def test_forced_tokens_are_masked_out_of_trajectory_rows() -> None:
+    triplets = [
+        triplet(0, [1], [2, 3, 4], [-1.0, -0.5, -0.25], forced=[0, 2]),
+        triplet(1, [1, 2, 3, 4, 9], [5, 6], [-0.125, -2.0], forced=[1]),
+    ]
+    (row,) = rows_from_triplets(triplets, "trajectory").rows
+    assert row.response_ids.tolist() == [2, 3, 4, 9, 5, 6]
+    assert row.response_mask.tolist() == [0, 1, 0, 0, 1, 0]
+    assert row.logprobs is not None and row.logprobs.tolist() == [-1.0, -0.5, -0.25, 0.0, -0.125, -2.0]
+
+
+def test_a_call_whose_every_token_was_forced_makes_no_row() -> None:
+    triplets = [triplet(0, [1], [2, 3], forced=[0, 1]), triplet(1, [5], [6], forced=[])]
+    assert [r.call_span_ids for r in rows_from_triplets(triplets, "transition").rows] == [["s1"]]
+    alone = rows_from_triplets([triplets[0]], "trajectory")
+    assert alone.rows == [] and alone.fallback is None
 
 
 def test_rows_from_triplets_rejects_an_unknown_aggregation() -> None:

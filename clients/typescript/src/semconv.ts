@@ -26,6 +26,8 @@ export const semconv = Object.freeze({
   LLM_PROMPT_TOKEN_IDS: "lightning.llm.prompt_token_ids",
   LLM_RESPONSE_TOKEN_IDS: "lightning.llm.response_token_ids",
   LLM_RESPONSE_LOGPROBS: "lightning.llm.response_logprobs",
+  /** Response positions a grammar forced (the only token allowed): not the policy's choice, not trained. */
+  LLM_RESPONSE_FORCED_POSITIONS: "lightning.llm.response_forced_positions",
   LLM_MODEL: "lightning.llm.model",
   LLM_POLICY_VERSION: "lightning.llm.policy_version",
   LLM_REQUEST: "lightning.llm.request",
