@@ -29,8 +29,7 @@ from lightning_grpc import environment, semconv
 from lightning_grpc import types as t
 from lightning_grpc.algorithm import Algorithm
 from lightning_grpc.client import ClientConfig, StoreClient
-
-from .llm_calls import LlmCall, format_llm_calls, llm_calls, tool_calls_summary
+from lightning_grpc.triplets.conversation import LlmCall, format_llm_calls, llm_calls, tool_calls_summary
 
 DEFAULT_STORE = "127.0.0.1:4747"
 ROLLOUT_STATUS_NAMES = [str(s) for s in t.RolloutStatus if s is not t.RolloutStatus.UNSPECIFIED]

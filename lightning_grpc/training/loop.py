@@ -39,6 +39,7 @@ from lightning_grpc.algorithm import final_reward
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
 from lightning_grpc.client.proxy import ProxyClient
 from lightning_grpc.proxy import Backend
+from lightning_grpc.triplets.conversation import response_message, tool_calls_of
 from lightning_grpc.types import ProxyLLM, RolloutConfig, Span
 
 from .distributed import DistributedLearner
@@ -557,7 +558,8 @@ class TrainingRun:
 
 
 def transcript_of(spans: Sequence[Span], reward: float | None) -> str:
-    """The conversation of a rollout, read from its LLM-call spans: each prompt's last message, each answer."""
+    """The conversation of a rollout, read from its LLM-call spans: each prompt's last message, each answer
+    (its text, or the tool calls it made)."""
     lines = []
     calls = sorted(
         (s for s in spans if s.name == semconv.SPAN_LLM_CALL), key=lambda s: s.start_time_unix_nano
@@ -569,9 +571,11 @@ def transcript_of(spans: Sequence[Span], reward: float | None) -> str:
         if messages:
             last = messages[-1]
             lines.append(f"  {last.get('role', 'user')}: {last.get('content', '')}")
-        choices = response.get("choices") or [{}]
-        answer = (choices[0].get("message") or {}).get("content", choices[0].get("text", ""))
-        lines.append(f"  assistant: {answer!r}")
+        answer = response_message(response)
+        made = [call.text() for call in tool_calls_of(answer.get("tool_calls"))]
+        lines += [f"  assistant: {call}" for call in made]
+        if answer.get("content") or not made:
+            lines.append(f"  assistant: {answer.get('content', '')!r}")
     lines.append(f"  reward: {reward if reward is not None else 'none'}")
     return "\n".join(lines)
 

@@ -1,6 +1,6 @@
 """Every code block of the docs runs here, as written, and what it prints is checked; every link resolves.
 
-The docs are ``DOCS``: README.md, every page of docs/, bench/README.md and examples/README.md. Their
+The docs are ``DOCS``: README.md, every page of docs/, bench/README.md and the examples' READMEs. Their
 blocks are run against real processes started from the docs' own commands, on free ports and temporary
 paths in place of the docs' 4747, 4748, 8000, /tmp/tiny and lightning.db. A block is found by its first
 line, in whichever doc holds it. A block that cannot run here (a GPU cluster, the full training run) is
@@ -35,6 +35,7 @@ DOCS = [
     *sorted((ROOT / "docs").glob("*.md")),
     ROOT / "bench" / "README.md",
     ROOT / "examples" / "README.md",
+    ROOT / "examples" / "frameworks" / "README.md",
 ]
 BIN = str(Path(sys.executable).parent) + "/"
 ELLIPSIS = "…"
@@ -65,6 +66,18 @@ NOT_RUN = {
     ".venv/bin/python -m lightning_grpc.training.engines extension": (
         "needs vLLM's environment; tests/vllm/test_vllm_training.py runs the extension command and a vLLM"
         " started this way, then trains against it by address (`make vllm-test`)"
+    ),
+    ".venv/bin/lightning-grpc train examples/frameworks/langgraph_lock.toml": (
+        "full training runs of the framework agents (figures in examples/frameworks/README.md);"
+        " tests/examples/test_frameworks.py runs each agent through the real runner, proxy and engine"
+    ),
+    "  user: A two-digit combination lock keeps the barn door shut.": (
+        "an output sample of a framework agent's training run; tests/training/test_transcript.py checks how a"
+        " transcript shows tool calls"
+    ),
+    "PYTHONPATH=. .venv/bin/lightning-grpc runner examples.frameworks": (
+        "tests/examples/test_frameworks.py runs each framework agent under the real Runner against a store,"
+        " the proxy and the engine"
     ),
     ".venv/bin/grpcurl": (
         "tests/server/test_grpcurl.py runs each line as written, against `serve` without and with a token"
@@ -240,6 +253,7 @@ def test_every_block_is_run_here_or_named_with_what_covers_it() -> None:
         ".venv/bin/lightning-grpc triplets",
         ".venv/bin/lightning-grpc serve --memory --port 4747 &",
         ".venv/bin/python bench/auth_cost.py",
+        "# the OpenAI Agents SDK, on the Responses API",
     }
     assert {doc.relative_to(ROOT).as_posix() for doc in DOCS} >= {"README.md", "docs/training.md"}
     for b in blocks():
@@ -308,6 +322,28 @@ def test_the_otlp_settings_send_an_sdk_span_to_the_store(quickstart: Machine) ->
 def test_the_agent_in_the_readme_is_the_example_file() -> None:
     code = (ROOT / "examples" / "first_agent" / "agent.py").read_text()
     assert code.split('"""\n\n', 1)[1] == block("from lightning_grpc.runner import rollout").text
+
+
+def test_bring_your_agent_quotes_the_framework_examples_own_lines() -> None:
+    """Each excerpt of "Bring your agent" is its example file's lines, in their order (the files run in
+    tests/examples/test_frameworks.py)."""
+    excerpt = block("# the OpenAI Agents SDK, on the Responses API").text
+    quoted: dict[str, list[str]] = {}
+    for line in excerpt.splitlines():
+        named = re.search(r"\((examples/frameworks/\w+\.py)\)$", line)
+        if named:
+            current = quoted.setdefault(named.group(1), [])
+        elif line.strip():
+            current.append(line.strip())
+    assert sorted(quoted) == [
+        "examples/frameworks/anthropic_lock.py",
+        "examples/frameworks/langgraph_lock.py",
+        "examples/frameworks/openai_agents_lock.py",
+    ]
+    for path, lines in quoted.items():
+        remaining = iter(line.strip() for line in (ROOT / path).read_text().splitlines())
+        for line in lines:
+            assert any(line == candidate for candidate in remaining), f"{path}: {line!r} is not its line"
 
 
 @pytest.fixture(scope="module")

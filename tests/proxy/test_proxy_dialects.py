@@ -227,7 +227,7 @@ CHAT_TOOL: Any = {
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 async def test_responses_forced_tool_call_round_trip(
-    proxy: LLMProxy, store: StoreClient, tokenizer: Any, clients: list[Any], streamed: bool
+    proxy: LLMProxy, store: StoreClient, engine: Engine, tokenizer: Any, clients: list[Any], streamed: bool
 ) -> None:
     rid, aid = await new_attempt(store)
     client = openai_for(clients, base_url(proxy, rid, aid))
@@ -250,6 +250,15 @@ async def test_responses_forced_tool_call_round_trip(
     assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     user = [{"role": "user", "content": QUESTION}]
     assert list(first.attributes[semconv.LLM_PROMPT_TOKEN_IDS]) == prompt_ids(tokenizer, user, [CHAT_TOOL])
+    own = await engine_chat(
+        engine,
+        messages=user,
+        tools=[CHAT_TOOL],
+        tool_choice=sent["tool_choice"],
+        max_tokens=48,
+        temperature=0,
+    )
+    check_span(first, semconv.DIALECT_RESPONSES, own)  # the ids the engine itself answers with
     [call] = calls
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments), dict)
     # the second call carries the call and its result: the prompt holds the result
@@ -274,7 +283,7 @@ async def test_responses_forced_tool_call_round_trip(
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 async def test_anthropic_forced_tool_use_round_trip(
-    proxy: LLMProxy, store: StoreClient, tokenizer: Any, clients: list[Any], streamed: bool
+    proxy: LLMProxy, store: StoreClient, engine: Engine, tokenizer: Any, clients: list[Any], streamed: bool
 ) -> None:
     rid, aid = await new_attempt(store)
     client = anthropic_for(clients, base_url(proxy, rid, aid))
@@ -293,6 +302,15 @@ async def test_anthropic_forced_tool_use_round_trip(
     assert sent["tools"] == [CHAT_TOOL]
     assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert list(first.attributes[semconv.LLM_PROMPT_TOKEN_IDS]) == prompt_ids(tokenizer, [user], [CHAT_TOOL])
+    own = await engine_chat(
+        engine,
+        messages=[user],
+        tools=[CHAT_TOOL],
+        tool_choice=sent["tool_choice"],
+        max_tokens=48,
+        temperature=0,
+    )
+    check_span(first, semconv.DIALECT_ANTHROPIC_MESSAGES, own)  # the ids the engine itself answers with
     [use] = [block for block in message.content if block.type == "tool_use"]
     assert use.name == "get_weather" and isinstance(use.input, dict) and message.stop_reason == "tool_use"
     history: Any = [

@@ -1,7 +1,7 @@
 /**
  * An LLM call's conversation, read from the proxy's recorded JSON: the chat-completions request it sent to the
  * engine (`messages`, `tools`, `tool_choice`) and the response (`choices[0].message.tool_calls`), whatever
- * dialect the agent spoke. The dashboard's reader; the command line has its own (lightning_grpc/cli/llm_calls.py).
+ * dialect the agent spoke. The dashboard's reader; Python's is lightning_grpc/triplets/conversation.py.
  */
 
 export interface ToolCall {

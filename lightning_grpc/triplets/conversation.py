@@ -3,7 +3,8 @@
 Read from the proxy's ``lightning.llm.call`` spans: :data:`semconv.LLM_REQUEST` is the chat-completions
 request the proxy sent to the engine (``messages``, ``tools``, ``tool_choice``), :data:`semconv.LLM_RESPONSE`
 its response (``choices[0].message.tool_calls``), whatever dialect the agent spoke. The one reader of these
-for the command line (``lightning-grpc rollout``, ``lightning-grpc spans``); the dashboard has its own.
+in Python (``lightning-grpc rollout`` and ``spans``, the training run's transcripts); the dashboard has its
+own (``dashboard/web/src/llm.ts``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Agents written with agent frameworks, trained unchanged on the combination lock (see README.md)."""
