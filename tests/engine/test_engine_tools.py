@@ -10,23 +10,19 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-import pytest_asyncio
-from transformers import AutoTokenizer
 
-from lightning_grpc.engine import EngineServer, build_tiny_model, start_engine
+from lightning_grpc.engine import EngineServer
 from lightning_grpc.engine.protocol import EngineError, parse_chat
 from lightning_grpc.engine.tools import ToolCallStream, closed, parse_tool_calls
+from tests.engine.conftest import MODEL
 
 #: The engine tests share one engine and its event loop (the parser's tests are plain functions).
 on_engine = pytest.mark.asyncio(loop_scope="module")
 
-MODEL = "tiny"
 TOKEN_IDS = {"return_token_ids": True}
 PRESS: Any = {
     "type": "function",
@@ -59,35 +55,6 @@ MESSAGES: Any = [
     {"role": "user", "content": "Press a digit."},
 ]
 NAMED: Any = {"type": "function", "function": {"name": "press"}}
-
-
-# ---------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("engine-tools") / "tiny", seed=7)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_dir: Path) -> AsyncIterator[EngineServer]:
-    server = await start_engine(model_dir, served_model_name=MODEL, max_batch_size=16)
-    try:
-        yield server
-    finally:
-        await server.stop()
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(engine: EngineServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    c = openai.AsyncOpenAI(base_url=engine.base_url, api_key="EMPTY", max_retries=0, timeout=60)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def chat(client: openai.AsyncOpenAI, **kwargs: Any) -> dict[str, Any]:
