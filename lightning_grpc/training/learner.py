@@ -312,6 +312,9 @@ class Learner:
     # ------------------------------------------------------------ weights and checkpoints
     def export_weights(self, path: str | Path) -> Path:
         """The current weights as a ``save_pretrained`` directory (what the engine loads)."""
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no bar per weight export in the run's output (every step)
         path = Path(path)
         self.model.save_pretrained(path, safe_serialization=True)
         return path
