@@ -85,12 +85,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 def run_train(args: argparse.Namespace) -> int:
     from lightning_grpc.training.engines import EngineError
-    from lightning_grpc.training.experiment import ConfigError, load_experiment
+    from lightning_grpc.training.experiment import ConfigError, check_agent_module, load_experiment
     from lightning_grpc.training.loop import run_experiment
 
     logs.configure_logging(args.log_level)
     try:
         config = load_experiment(args.config, parse_overrides(args.set))
+        check_agent_module(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import json
 import os
+import sys
 import textwrap
 import tomllib
 import types
@@ -625,6 +627,39 @@ def check_experiment(c: ExperimentConfig) -> None:
         value = getattr(c.agent, key)
         if value and not c.path(value).is_file():
             raise ConfigError(f"agent.{key}: no file {c.path(value)}")
+
+
+def check_agent_module(c: ExperimentConfig) -> None:
+    """Refuse an agent whose module the runners will not find, before anything starts.
+
+    The runners import ``agent.agent`` as ``python -m`` would, from the folder the command runs in (and
+    ``PYTHONPATH``); a file path (``path/file.py:name``) is relative to that folder too. The module is
+    only looked up here, not run.
+    """
+    if not c.agent.agent or c.agent.processes == 0:
+        return
+    module, _, _ = c.agent.agent.partition(":")
+    here = Path.cwd()
+    found = (here / module).is_file() if module.endswith(".py") else _module_found(module, here)
+    if not found:
+        raise ConfigError(
+            f"agent.agent {c.agent.agent!r}: no module {module!r} in {here} or on PYTHONPATH (the runners import"
+            " the agent from the folder the command runs in; task files and output_dir are relative to the"
+            " experiment file)"
+        )
+
+
+def _module_found(module: str, here: Path) -> bool:
+    added = str(here) not in sys.path
+    if added:
+        sys.path.insert(0, str(here))
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or an empty name
+        return False
+    finally:
+        if added:
+            sys.path.remove(str(here))
 
 
 def _toml_value(value: Any) -> str:

@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,15 @@ from lightning_grpc.client import StoreClient
 from lightning_grpc.engine import EngineProcess
 from lightning_grpc.examples.combination_lock import AGENT_REF, train_tasks, val_tasks, write_jsonl
 from lightning_grpc.processes import Background
-from lightning_grpc.training.experiment import ConfigError, experiment_from_dict, load_experiment
+from lightning_grpc.training.experiment import (
+    ConfigError,
+    check_agent_module,
+    experiment_from_dict,
+    load_experiment,
+)
 from lightning_grpc.training.loop import run_experiment
 from lightning_grpc.types import RolloutMode, RolloutStatus
+from tests.conftest import ROOT
 from tests.engine_fixtures import CLI, QUIET_ENV
 from tests.helpers import start_services
 
@@ -285,3 +292,33 @@ def test_a_vllm_named_by_address_that_cannot_serve_the_run_is_refused_saying_why
     assert done.returncode == 2, done.stdout + done.stderr
     assert "error: vLLM at" in done.stderr and "VLLM_SERVER_DEV_MODE=1" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_agent_the_runners_cannot_import_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A typo in agent.agent: one line naming the module and where it was looked for, exit 2, at once
+    (no store, engine or runner started first, no runner's traceback to read)."""
+    (tmp_path / "train.jsonl").write_text('{"x": 1}\n')
+    config = tmp_path / "typo.toml"
+    config.write_text('[agent]\nagent = "my_agnt:agent"\ntrain_tasks = "train.jsonl"\n[model]\npath = "m"\n')
+    started = time.monotonic()
+    done = subprocess.run(
+        [*CLI, "train", str(config), "--no-progress"],
+        cwd=tmp_path,
+        env=QUIET_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "agent.agent 'my_agnt:agent': no module 'my_agnt' in" in done.stderr, done.stderr
+    assert str(tmp_path) in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "runs").exists() and time.monotonic() - started < 60
+    # the same module, present in the folder the command runs in: found
+    (tmp_path / "my_agnt.py").write_text("def agent(task, llm):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    check_agent_module(load_experiment(config))
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError, match="no module 'my_agnt'"):
+        check_agent_module(load_experiment(config))
