@@ -59,7 +59,7 @@ from .learner import (
     Learner,
     OptimConfig,
     UpdateInput,
-    copy_tokenizer,
+    write_files,
 )
 from .sharded import (
     RANK_STATE,
@@ -171,7 +171,7 @@ class RankLearner(Learner):
         self._barrier()
         self.export_weights(path)
         if self.rank == 0:
-            copy_tokenizer(Path(self.model_path), path)
+            write_files(self.tokenizer_files, path)
             self._write_config(path)
         dcp_save(sharded_state(self), checkpoint_id=str(path / SHARDED_DIR))
         torch.save(

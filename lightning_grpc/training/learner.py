@@ -104,6 +104,9 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         seed_everything(self.seed)
+        #: The tokenizer files of the model this learner started from, kept to write into every checkpoint:
+        #: the directory they came from (a resumed-from checkpoint) may be deleted by ``keep`` meanwhile.
+        self.tokenizer_files = read_tokenizer_files(Path(self.model_path))
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=torch.float32)
         reference = copy.deepcopy(model).eval().requires_grad_(False) if self.ppo_config.use_kl_loss else None
@@ -324,7 +327,7 @@ class Learner:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.export_weights(path)
-        copy_tokenizer(Path(self.model_path), path)
+        write_files(self.tokenizer_files, path)
         torch.save(
             {
                 "step": self.step,
@@ -485,13 +488,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def copy_tokenizer(source: Path, target: Path) -> None:
-    """The tokenizer files of a model directory into a checkpoint (the engine started from it needs them)."""
-    if source.resolve() == target.resolve():
-        return
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (source / name).exists():
-            (target / name).write_bytes((source / name).read_bytes())
+#: The files of a model directory that make its tokenizer and chat template (an engine started from a
+#: checkpoint needs them).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def read_tokenizer_files(source: Path) -> dict[str, bytes]:
+    """The tokenizer files of a model directory, by name."""
+    return {name: (source / name).read_bytes() for name in TOKENIZER_FILES if (source / name).is_file()}
+
+
+def write_files(files: Mapping[str, bytes], target: Path) -> None:
+    for name, data in files.items():
+        (target / name).write_bytes(data)
 
 
 __all__: Sequence[str] = ("Learner", "OptimConfig", "UpdateInput", "mini_batches", "reward_metrics")
