@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from lightning_grpc._extras import extra_imports
@@ -163,6 +164,9 @@ def status_text(status: TrainerStatus) -> str:
         [[str(g.mode) or "-", g.pending, g.ready, g.carried_over, g.consumed] for g in status.groups],
     )
     parts = [head, "", groups]
+    stalled = no_signal_line(last.metrics if last else {})
+    if stalled:
+        parts += ["", stalled]
     if status.drops:
         parts += ["", format_table(["left out or changed", "count"], sorted(status.drops.items()))]
     if status.fallbacks:
@@ -173,3 +177,17 @@ def status_text(status: TrainerStatus) -> str:
             ),
         ]
     return "\n".join(parts)
+
+
+def no_signal_line(metrics: Mapping[str, float]) -> str:
+    """The run's no-learning-signal conditions at its last step (``stalled_<condition>`` = 1), as one line;
+    "" when there is none. The watcher sets them once a condition held ``stall_window`` steps in a row."""
+    prefix = "stalled_"
+    names = [
+        name.removeprefix(prefix) for name, value in metrics.items() if name.startswith(prefix) and value
+    ]
+    if not names:
+        return ""
+    window = metrics.get("stall_window")
+    since = f" (for the last {window:.0f} steps or more)" if window else ""
+    return f"no learning signal: {', '.join(sorted(names))}{since}"

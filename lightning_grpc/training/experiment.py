@@ -94,11 +94,38 @@ class ExperimentSection(_Section):
         default=1,
         metadata=_help("Async mode: calls sampled more than this many policy versions ago are dropped."),
     )
+    stall_window: int = field(
+        default=10,
+        metadata=_help(
+            "Warn (once, with the figures and what to change) when the run has had no learning signal for "
+            "this many steps in a row: most GRPO groups with zero reward variance, every rollout the same "
+            "reward, nearly every response cut at sampling.max_tokens, every call dropped as stale; each "
+            "condition is recorded as the metric stalled_<condition> (0: no watch)."
+        ),
+    )
+    stall_zero_variance_fraction: float = field(
+        default=0.9,
+        metadata=_help(
+            "The share of a step's GRPO groups with zero reward variance from which it has no signal."
+        ),
+    )
+    stop_when_stalled: bool = field(
+        default=False,
+        metadata=_help(
+            "Stop the run (keeping the final checkpoint) once such a condition held stall_window steps."
+        ),
+    )
 
     def rules(self) -> list[tuple[str, bool, str]]:
         return [
             ("steps", self.steps >= 1, "must be at least 1"),
             ("max_staleness", self.max_staleness >= 0, "must be at least 0"),
+            ("stall_window", self.stall_window >= 0, "must be at least 0 (0: no watch)"),
+            (
+                "stall_zero_variance_fraction",
+                0.0 < self.stall_zero_variance_fraction <= 1.0,
+                "must be in (0, 1]",
+            ),
         ]
 
 

@@ -36,6 +36,7 @@ with extra_imports("train"):
 
 from lightning_grpc import environment, logs, semconv
 from lightning_grpc.algorithm import final_reward
+from lightning_grpc.batching.options import Aggregation
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
 from lightning_grpc.client.proxy import ProxyClient
 from lightning_grpc.proxy import Backend
@@ -47,6 +48,7 @@ from .experiment import ExperimentConfig, read_tasks
 from .learner import Learner, UpdateInput, reward_metrics, rollout_rewards_and_groups
 from .metrics import MetricsLog, summary_line
 from .services import Services, start_runners, start_services
+from .signal import SignalWatcher, Stall, truncated_share
 
 if TYPE_CHECKING:
     from lightning_grpc.client.trainer import TrainingBatch
@@ -142,8 +144,15 @@ class TrainingRun:
         self.services: Services | None = None
         self.learner: Learner | DistributedLearner | None = None
         self.pad_id = 0
+        #: The model's end-of-turn tokens: a response that ends with one at max_tokens was not cut.
+        self.stop_ids: frozenset[int] = frozenset()
         self.policy_version = 0
         self.metrics = MetricsLog(self._prepared_output())
+        #: Says when the run has had no learning signal for experiment.stall_window steps (and can stop it).
+        self.signal = SignalWatcher(
+            config.experiment.stall_window,
+            zero_variance_fraction=config.experiment.stall_zero_variance_fraction,
+        )
 
     def _prepared_output(self) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -216,13 +225,15 @@ class TrainingRun:
         if self.backend is None:
             self.learner, self.policy_version = self._learner(model_dir)
             self.pad_id = _pad_id(self.learner.model.config)
+            self.stop_ids = _stop_ids(self.learner.model.config)
         else:
             self.say("starting the update backend (its own checkpoints resume it)")
             self.backend.start()
             self.policy_version = self.backend.policy_version
             from transformers import AutoConfig
 
-            self.pad_id = _pad_id(AutoConfig.from_pretrained(model_dir))
+            model_config = AutoConfig.from_pretrained(model_dir)
+            self.pad_id, self.stop_ids = _pad_id(model_config), _stop_ids(model_config)
         first_step = self.policy_version + 1 if self.learner is None else self.learner.step + 1
         self.metrics.truncate(first_step - 1)
         self.say(f"starting the services (model {model_dir}, policy version {self.policy_version})")
@@ -292,9 +303,11 @@ class TrainingRun:
                         {"val_reward": val.reward, "val_solved": val.solved, "val_failed": val.failed}
                     )
                     val_after = val
+                stalls = self._watch_signal(step, metrics)
                 self.metrics.add(step, metrics)
                 await self.trainer.report_step(step, self.policy_version, metrics, run_id=cfg.experiment.name)
                 self._show(bar, step, metrics)
+                self._warn(bar, stalls)
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self.checkpoint(step)
                 target = cfg.validation.target
@@ -305,6 +318,9 @@ class TrainingRun:
                     and val_after.reward >= target
                 ):
                     reason = f"validation reward {val_after.reward:.3f} reached the target {target:g}"
+                    break
+                if cfg.experiment.stop_when_stalled and self.signal.stalled():
+                    reason = self._stalled_reason()
                     break
             if bar is not None:
                 bar.close()
@@ -383,6 +399,7 @@ class TrainingRun:
             self.policy_version = self.learner.step
             await self.publish_weights(pause=sync)
         t4 = time.perf_counter()
+        metrics.update(self._truncated_responses(batch))
         metrics.update({f"drop_{reason}": float(count) for reason, count in batch.drops.items()})
         metrics.update({f"trajectory_fallback_{reason}": float(n) for reason, n in batch.fallbacks.items()})
         metrics.update(
@@ -399,6 +416,26 @@ class TrainingRun:
             }
         )
         return metrics
+
+    def _truncated_responses(self, batch: TrainingBatch) -> dict[str, float]:
+        """The share of rows cut at sampling.max_tokens (what the watcher's max_tokens condition reads).
+
+        The batch carries no finish reason: a response as long as max_tokens whose last token is not one of
+        the model's stop tokens counts as cut (an answer that ends with its stop token right at the limit is
+        whole). Transition rows only (a trajectory row's response spans several calls), padded layout.
+        """
+        lengths = batch.arrays.get("response_lengths")
+        responses = batch.arrays.get("responses")
+        if (
+            lengths is None
+            or responses is None
+            or getattr(responses, "ndim", 0) != 2
+            or not len(lengths)
+            or self.config.data.aggregation != Aggregation.TRANSITION
+        ):
+            return {}
+        share = truncated_share(lengths, responses, self.config.sampling.max_tokens, self.stop_ids)
+        return {"truncated_responses": share}
 
     async def _backend_update(self, batch: TrainingBatch, step: int) -> tuple[dict[str, float], float]:
         """The backend's update and weight sync; its inference servers pause meanwhile, so the proxy holds
@@ -548,6 +585,34 @@ class TrainingRun:
         else:
             self.say(line)
 
+    # ------------------------------------------------------------ no learning signal
+    def _watch_signal(self, step: int, metrics: dict[str, float]) -> list[Stall]:
+        """Feed the step to the watcher; its ``stalled_<condition>`` metrics join the step's."""
+        stalls = self.signal.observe(step, metrics)
+        metrics.update(self.signal.metrics())
+        return stalls
+
+    def _warn(self, bar: Any, stalls: Sequence[Stall]) -> None:
+        """Each new stall on its own line (``warning: ...``) and in the log."""
+        for stall in stalls:
+            log.warning(
+                "event=training_no_signal condition=%s first_step=%d last_step=%d message=%s",
+                stall.condition,
+                stall.first_step,
+                stall.last_step,
+                stall.message,
+            )
+            line = f"warning: {stall.message}"
+            if bar is not None:
+                bar.write(line)
+            else:
+                self.say(line)
+
+    def _stalled_reason(self) -> str:
+        """Why the run stops with experiment.stop_when_stalled (RunResult.stopped_because)."""
+        names = ", ".join(self.signal.stalled())
+        return f"no learning signal ({names}) for {self.signal.window} steps in a row (stop_when_stalled)"
+
     def _time_split(self) -> dict[str, float]:
         """Seconds spent per part over the run (sums of the per-step figures)."""
         names = [k for k in self.metrics.rows[-1] if k.endswith("_seconds")] if self.metrics.rows else []
@@ -617,6 +682,12 @@ class UpdateBackend(Protocol):
 
     @property
     def checkpoint_dir(self) -> Path: ...
+
+
+def _stop_ids(model_config: Any) -> frozenset[int]:
+    eos = getattr(model_config, "eos_token_id", None)
+    values = eos if isinstance(eos, list | tuple) else [eos]
+    return frozenset(int(v) for v in values if isinstance(v, int))
 
 
 def _pad_id(model_config: Any) -> int:

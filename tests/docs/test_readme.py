@@ -75,6 +75,10 @@ NOT_RUN = {
         "an output sample of a framework agent's training run; tests/training/test_transcript.py checks how a"
         " transcript shows tool calls"
     ),
+    "warning: no learning signal (zero_variance)": (
+        "an output sample; tests/training/test_training.py trains a constant-reward task and checks the warning"
+        " line, tests/training/test_signal.py every condition"
+    ),
     "PYTHONPATH=. .venv/bin/lightning-grpc runner examples.frameworks": (
         "tests/examples/test_frameworks.py runs each framework agent under the real Runner against a store,"
         " the proxy and the engine"

@@ -28,7 +28,7 @@ from lightning_grpc.training.experiment import (
     experiment_from_dict,
     load_experiment,
 )
-from lightning_grpc.training.loop import run_experiment
+from lightning_grpc.training.loop import TrainingRun, run_experiment
 from lightning_grpc.types import RolloutMode, RolloutStatus
 from tests.conftest import ROOT
 from tests.engine_fixtures import CLI, QUIET_ENV
@@ -322,3 +322,46 @@ def test_an_agent_the_runners_cannot_import_is_refused_before_anything_starts(
     monkeypatch.chdir(ROOT)
     with pytest.raises(ConfigError, match="no module 'my_agnt'"):
         check_agent_module(load_experiment(config))
+
+
+CONSTANT_AGENT = '''
+from lightning_grpc.runner.llm import openai_client
+
+
+async def agent(task, llm):
+    """One call to the policy, and the same reward whatever it answered: GRPO has nothing to learn from."""
+    await openai_client(llm).chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": "Say anything."}], max_tokens=2
+    )
+    return 0.5
+'''
+
+
+def test_a_run_whose_reward_is_constant_warns_and_stops_when_stalled(
+    tmp_path: Path, tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every group flat from the first step: after stall_window = 2 steps the run says it has no learning
+    signal (printed, logged, stalled_zero_variance = 1 in metrics.csv) and stop_when_stalled ends it."""
+    (tmp_path / "constant_agent.py").write_text(CONSTANT_AGENT)
+    config = experiment(
+        tmp_path,
+        tiny_model,
+        experiment={"steps": 6, "stall_window": 2, "stop_when_stalled": True},
+        agent={"agent": f"{tmp_path / 'constant_agent.py'}:agent", "val_tasks": ""},
+        data={"group_size": 2, "batch_size": 2},
+    )
+    said: list[str] = []
+    with caplog.at_level("WARNING", logger="lightning_grpc.training"):
+        result = asyncio.run(TrainingRun(config, progress=False, say=said.append).run())
+    assert result.steps == 2 and "zero_variance" in result.stopped_because, result.stopped_because
+    warnings = [line for line in said if line.startswith("warning: no learning signal (zero_variance)")]
+    assert len(warnings) == 1, said
+    assert (
+        "zero reward variance in 4 of 4 GRPO groups (100%) over the last 2 steps (steps 1-2)" in warnings[0]
+    )
+    assert "reward_mean 0.500" in warnings[0]
+    logged = [r.getMessage() for r in caplog.records if "event=training_no_signal" in r.getMessage()]
+    assert any("condition=zero_variance" in m for m in logged), logged
+    history = rows(config.output_dir / "metrics.csv")
+    assert [float(r["stalled_zero_variance"]) for r in history] == [0.0, 1.0]
+    assert all(0.0 <= float(r["truncated_responses"]) <= 1.0 for r in history)  # what max_tokens reads
