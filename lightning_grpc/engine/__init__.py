@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 from lightning_grpc.engine.process import EngineProcess
 
 if TYPE_CHECKING:
-    from lightning_grpc.engine.protocol import EngineError, SamplingParams
+    from lightning_grpc.engine.errors import EngineError
+    from lightning_grpc.engine.protocol import SamplingParams
     from lightning_grpc.engine.scheduler import Scheduler
     from lightning_grpc.engine.server import EngineConfig, EngineServer, serve_forever, start_engine
     from lightning_grpc.engine.tiny import TinyModelSpec, build_tiny_model
 
 _LAZY = {
-    "EngineError": "protocol",
+    "EngineError": "errors",
     "SamplingParams": "protocol",
     "Scheduler": "scheduler",
     "EngineConfig": "server",

@@ -15,40 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
-if TYPE_CHECKING:
-    from lightning_grpc.engine.tools import ToolChoice
+from lightning_grpc.engine import tools as t
+from lightning_grpc.engine.errors import bad_request
+from lightning_grpc.engine.tools import ToolChoice
 
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 SEED_MODULUS = 2**63
-
-
-class EngineError(Exception):
-    """An error the client gets as ``{"error": {message, type, param, code}}`` with ``status``."""
-
-    TYPES: ClassVar[dict[int, str]] = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        503: "ServiceUnavailable",
-    }
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        kind = self.TYPES.get(self.status, "InternalServerError")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
-
-
-def bad_request(message: str, param: str | None = None) -> EngineError:
-    return EngineError(message, status=400, param=param)
 
 
 @dataclass(frozen=True)
@@ -116,7 +92,6 @@ def parse_chat(body: Any) -> ChatRequest:
     if top is not None and not logprobs_on:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top or 0) if logprobs_on else None
-    from lightning_grpc.engine import tools as t  # tools imports this module's errors
 
     tools = t.validate_tools(body.get("tools"))
     tool_choice = t.parse_tool_choice(body.get("tool_choice"), tools)

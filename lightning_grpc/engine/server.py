@@ -59,8 +59,8 @@ with extra_imports("engine"):
 from lightning_grpc import logs
 from lightning_grpc.engine import protocol as p
 from lightning_grpc.engine import tools
+from lightning_grpc.engine.errors import EngineError, bad_request
 from lightning_grpc.engine.guided import GrammarError, Grammars
-from lightning_grpc.engine.protocol import EngineError, bad_request
 from lightning_grpc.engine.scheduler import Scheduler, SequenceUpdate, StepEvent, Submission, TokenLogprob
 from lightning_grpc.engine.text import TokenTexts
 

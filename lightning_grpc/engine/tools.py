@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_grpc.engine.protocol import bad_request
+from lightning_grpc.engine.errors import bad_request
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 #: The JSON options of a forced call's arguments: the separators ``json.dumps`` and the template's

@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from lightning_grpc.engine import EngineServer
-from lightning_grpc.engine.protocol import EngineError, parse_chat
+from lightning_grpc.engine.errors import EngineError
+from lightning_grpc.engine.protocol import parse_chat
 from lightning_grpc.engine.tools import ToolCallStream, closed, parse_tool_calls
 from tests.engine.conftest import MODEL
 
