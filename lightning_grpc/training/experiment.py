@@ -32,6 +32,7 @@ from lightning_grpc.batching.options import Aggregation, FailurePolicy
 
 from .learner import OptimConfig
 from .ppo import PPOConfig
+from .signal import CONDITIONS as STALL_CONDITIONS
 
 
 class ConfigError(ValueError):
@@ -109,6 +110,13 @@ class ExperimentSection(_Section):
             "The share of a step's GRPO groups with zero reward variance from which it has no signal."
         ),
     )
+    stall_conditions: tuple[str, ...] = field(
+        default=STALL_CONDITIONS,
+        metadata=_help(
+            "The conditions stall_window watches: zero_variance, equal_rewards, max_tokens, all_stale (a task "
+            "that cuts its answers at max_tokens on purpose leaves max_tokens out)."
+        ),
+    )
     stop_when_stalled: bool = field(
         default=False,
         metadata=_help(
@@ -121,6 +129,11 @@ class ExperimentSection(_Section):
             ("steps", self.steps >= 1, "must be at least 1"),
             ("max_staleness", self.max_staleness >= 0, "must be at least 0"),
             ("stall_window", self.stall_window >= 0, "must be at least 0 (0: no watch)"),
+            (
+                "stall_conditions",
+                set(self.stall_conditions) <= set(STALL_CONDITIONS),
+                f"must name conditions among {', '.join(STALL_CONDITIONS)}",
+            ),
             (
                 "stall_zero_variance_fraction",
                 0.0 < self.stall_zero_variance_fraction <= 1.0,

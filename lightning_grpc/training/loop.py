@@ -152,6 +152,7 @@ class TrainingRun:
         self.signal = SignalWatcher(
             config.experiment.stall_window,
             zero_variance_fraction=config.experiment.stall_zero_variance_fraction,
+            conditions=config.experiment.stall_conditions,
         )
 
     def _prepared_output(self) -> Path:

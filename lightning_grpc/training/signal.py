@@ -87,19 +87,27 @@ class SignalWatcher:
     """
 
     def __init__(
-        self, window: int, *, zero_variance_fraction: float = 0.9, truncated_fraction: float = 0.9
+        self,
+        window: int,
+        *,
+        zero_variance_fraction: float = 0.9,
+        truncated_fraction: float = 0.9,
+        conditions: Iterable[str] = CONDITIONS,
     ) -> None:
         self.window = window
+        #: The conditions watched (a task that cuts its answers on purpose leaves max_tokens out).
+        self.conditions = tuple(c for c in CONDITIONS if c in set(conditions))
         self.zero_variance_fraction = zero_variance_fraction
         self.truncated_fraction = truncated_fraction
         self._streaks: dict[str, deque[Reading]] = {c: deque(maxlen=max(1, window)) for c in CONDITIONS}
         self._warned: set[str] = set()
-        self._readers: dict[str, Callable[[int, Mapping[str, float]], Reading]] = {
+        readers: dict[str, Callable[[int, Mapping[str, float]], Reading]] = {
             "zero_variance": self._zero_variance,
             "equal_rewards": self._equal_rewards,
             "max_tokens": self._max_tokens,
             "all_stale": self._all_stale,
         }
+        self._readers = {c: readers[c] for c in self.conditions}
 
     @property
     def enabled(self) -> bool:
@@ -128,7 +136,7 @@ class SignalWatcher:
 
     def stalled(self) -> list[str]:
         """The conditions that hold now and have for the whole window."""
-        return [c for c in CONDITIONS if self.enabled and self._held_for_window(c)]
+        return [c for c in self.conditions if self.enabled and self._held_for_window(c)]
 
     def metrics(self) -> dict[str, float]:
         """``stalled_<condition>``: 1.0 while the condition has held for the window, else 0.0; and the window
@@ -137,7 +145,7 @@ class SignalWatcher:
             return {}
         now = set(self.stalled())
         return {"stall_window": float(self.window)} | {
-            f"{METRIC_PREFIX}{c}": float(c in now) for c in CONDITIONS
+            f"{METRIC_PREFIX}{c}": float(c in now) for c in self.conditions
         }
 
     # ------------------------------------------------------------ one step's reading of each condition

@@ -124,3 +124,14 @@ def test_a_response_is_cut_when_it_reaches_max_tokens_without_its_stop_token() -
     # row 3 is past the limit without a stop token
     assert truncated_share(lengths, responses, 2, frozenset({eos})) == 0.5
     assert truncated_share([], [], 2, frozenset({eos})) == 0.0
+
+
+def test_a_condition_left_out_is_neither_watched_nor_recorded() -> None:
+    """A task that cuts its answers at max_tokens on purpose (the demo's lock) leaves that condition out."""
+    watcher = SignalWatcher(2, conditions=["zero_variance"])
+    cut = {"truncated_responses": 1.0, "zero_variance_groups": 0.0, "groups": 4.0, "reward_std": 0.4}
+    assert watcher.observe(1, cut) == [] and watcher.observe(2, cut) == []
+    assert watcher.stalled() == [] and watcher.metrics() == {
+        "stall_window": 2.0,
+        "stalled_zero_variance": 0.0,
+    }
