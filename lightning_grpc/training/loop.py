@@ -40,7 +40,7 @@ from lightning_grpc.batching.options import Aggregation
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
 from lightning_grpc.client.proxy import ProxyClient
 from lightning_grpc.proxy import Backend
-from lightning_grpc.triplets.conversation import response_message, tool_calls_of
+from lightning_grpc.triplets.conversation import json_object, response_message, tool_calls_of
 from lightning_grpc.types import ProxyLLM, RolloutConfig, Span
 
 from .distributed import DistributedLearner
@@ -631,8 +631,8 @@ def transcript_of(spans: Sequence[Span], reward: float | None) -> str:
         (s for s in spans if s.name == semconv.SPAN_LLM_CALL), key=lambda s: s.start_time_unix_nano
     )
     for span in calls:
-        request = _json(span.attributes.get(semconv.LLM_REQUEST))
-        response = _json(span.attributes.get(semconv.LLM_RESPONSE))
+        request = json_object(span.attributes.get(semconv.LLM_REQUEST))
+        response = json_object(span.attributes.get(semconv.LLM_RESPONSE))
         messages = request.get("messages") or []
         if messages:
             last = messages[-1]
@@ -644,14 +644,6 @@ def transcript_of(spans: Sequence[Span], reward: float | None) -> str:
             lines.append(f"  assistant: {answer.get('content', '')!r}")
     lines.append(f"  reward: {reward if reward is not None else 'none'}")
     return "\n".join(lines)
-
-
-def _json(text: Any) -> dict[str, Any]:
-    try:
-        value = json.loads(text) if isinstance(text, str) else {}
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def run_experiment(

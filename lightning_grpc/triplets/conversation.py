@@ -68,8 +68,8 @@ def llm_calls(spans: Iterable[t.Span]) -> list[LlmCall]:
 
 def llm_call(span: t.Span) -> LlmCall:
     attributes = span.attributes
-    request = _json_object(attributes.get(semconv.LLM_REQUEST))
-    message = response_message(_json_object(attributes.get(semconv.LLM_RESPONSE)))
+    request = json_object(attributes.get(semconv.LLM_REQUEST))
+    message = response_message(json_object(attributes.get(semconv.LLM_RESPONSE)))
     messages = _dicts(request.get("messages"))
     return LlmCall(
         span_id=span.span_id,
@@ -208,12 +208,13 @@ def tool_result_text(result: ToolResult) -> str:
 
 def tool_calls_summary(span: t.Span) -> str:
     """A call's tool calls on one line (``press({"digit": 3}) press(...)``), for ``lightning-grpc spans``."""
-    message = response_message(_json_object(span.attributes.get(semconv.LLM_RESPONSE)))
+    message = response_message(json_object(span.attributes.get(semconv.LLM_RESPONSE)))
     return " ".join(c.text() for c in tool_calls_of(message.get("tool_calls")))
 
 
 # ---------------------------------------------------------------- helpers
-def _json_object(text: Any) -> dict[str, Any]:
+def json_object(text: Any) -> dict[str, Any]:
+    """A recorded JSON attribute as a dict ({} when it is not a JSON object)."""
     if isinstance(text, dict):
         return text
     try:
