@@ -128,7 +128,15 @@ async def test_streamed_ids_equal_the_non_streamed_ones(
 
 
 async def test_stream_framing_is_sse_with_done(engine: EngineServer) -> None:
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True, "return_token_ids": True}
+    # ignore_eos: the framing is under test, so the answer must be its 4 tokens long whatever is sampled
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     async with (
         aiohttp.ClientSession() as session,
         session.post(engine.base_url + "/chat/completions", json=body) as resp,
