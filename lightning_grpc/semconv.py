@@ -82,6 +82,21 @@ LLM_LATENCY_MS = "lightning.llm.latency_ms"
 LLM_USAGE_PROMPT_TOKENS = "gen_ai.usage.input_tokens"
 LLM_USAGE_COMPLETION_TOKENS = "gen_ai.usage.output_tokens"
 LLM_ERROR = "lightning.llm.error"
+#: The sampling parameters the engine used for the call, read from the request the proxy sent it (the chat
+#: or completions request, whatever the dialect the agent spoke): the request's value, else the engine's
+#: default where there is one (OpenAI's, which vLLM and the embedded engine share: temperature 1.0, top_p
+#: 1.0); top_k, max_tokens (``max_completion_tokens`` before ``max_tokens``, as the engines read them) and
+#: seed only when the request set them. Written by :func:`sampling_attributes`, read by
+#: :func:`read_sampling`. Not OpenTelemetry's ``gen_ai.request.*``, which hold what the request set: these
+#: name what the engine sampled with, defaults included (the learner computes log-probs at this temperature).
+LLM_REQUEST_TEMPERATURE = "lightning.llm.request.temperature"
+LLM_REQUEST_TOP_P = "lightning.llm.request.top_p"
+LLM_REQUEST_TOP_K = "lightning.llm.request.top_k"
+LLM_REQUEST_MAX_TOKENS = "lightning.llm.request.max_tokens"
+LLM_REQUEST_SEED = "lightning.llm.request.seed"
+#: The engine defaults recorded for a request that does not set temperature / top_p (OpenAI's).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
 #: The API shape the agent spoke (one of :data:`LLM_DIALECTS`); LLM_REQUEST and LLM_RESPONSE are always
 #: the chat-completions (or completions) request sent to the backend and its answer, whatever the dialect.
 LLM_DIALECT = "lightning.llm.dialect"
@@ -242,6 +257,56 @@ def read_llm_error(
     if status_code == STATUS_CODE_ERROR:
         return status_message or "span status ERROR"
     return None
+
+
+def sampling_attributes(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`LLM_REQUEST_TEMPERATURE` family of attributes of a chat or completions request body.
+
+    temperature and top_p: the request's number (or numeric string, which vLLM takes), else (absent or null)
+    the engine's default 1.0; top_k, max_tokens and seed: the request's integer, else nothing. A value the
+    engine would refuse (not a finite number) is not recorded.
+    """
+    out: dict[str, Any] = {}
+    for key, name, default in (
+        (LLM_REQUEST_TEMPERATURE, "temperature", DEFAULT_TEMPERATURE),
+        (LLM_REQUEST_TOP_P, "top_p", DEFAULT_TOP_P),
+    ):
+        value = request.get(name)
+        if value is None:
+            out[key] = default
+            continue
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                continue
+        if _is_number(value):
+            out[key] = float(value)
+    max_tokens = request.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = request.get("max_tokens")
+    for key, value in (
+        (LLM_REQUEST_TOP_K, request.get("top_k")),
+        (LLM_REQUEST_MAX_TOKENS, max_tokens),
+        (LLM_REQUEST_SEED, request.get("seed")),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool):
+            out[key] = value
+    return out
+
+
+def read_sampling(attributes: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """(temperature, top_p) an LLM-call span records; None for one it does not record (a span written
+    before these attributes existed, or by another writer)."""
+    found: list[float | None] = []
+    for key in (LLM_REQUEST_TEMPERATURE, LLM_REQUEST_TOP_P):
+        value: Any = attributes.get(key)
+        found.append(float(value) if _is_number(value) else None)
+    return found[0], found[1]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # ------------------------------------------------------------------ objects, messages, links, tags

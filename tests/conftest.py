@@ -76,6 +76,7 @@ SLOW_TESTS = (
     "tests/dashboard/test_dashboard.py::",
     "tests/training/test_distributed_learner.py::",
     "tests/store/test_durability.py::",
+    "tests/proxy/test_proxy_sampling.py::",
     # one test each: 0.9 s or more in `make test PYTEST_ARGS=--durations=150` (2026-11-26, 2 cores)
     "tests/batching/test_trainer_service.py::test_cli_shows_a_rollouts_triplets_and_the_trainer_status",
     "tests/batching/test_trainer_service.py::test_kill_9_between_submit_and_batch_loses_nothing",
@@ -117,6 +118,8 @@ SLOW_TESTS = (
     "tests/test_extras.py::test_a_missing_extra_is_named",
     "tests/test_processes.py::test_a_child_server_stops_when_its_parent_is_killed",
     "tests/training/test_experiment_config.py::test_help_config_lists_every_key_with_its_type_default_and_help",
+    "tests/training/test_learner_temperatures.py::test_an_update_compares_the_recorded_log_probs_at_each_rows_temperature",
+    "tests/training/test_reference_docs.py::test_every_metric_an_update_writes_is_in_the_table_and_pg_clipfrac_is_what_the_table_says",
 )
 
 

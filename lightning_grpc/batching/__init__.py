@@ -4,7 +4,7 @@ The loops that learn from the batches are in :mod:`lightning_grpc.training`.
 """
 
 from .batches import BatchRollout, BuiltBatch, RowInfo
-from .core import GroupSample, TrainerCore, TrainerStatus, TrainingEvent
+from .core import GroupSample, RunInterruption, TrainerCore, TrainerStatus, TrainingEvent
 from .groups import Group
 from .options import Aggregation, BatchOptions, FailurePolicy, Layout, PromptOverflow, RewardMatch
 from .tensors import Ragged, concat, pad
@@ -22,6 +22,7 @@ __all__ = [
     "Ragged",
     "RewardMatch",
     "RowInfo",
+    "RunInterruption",
     "TrainerCore",
     "TrainerStatus",
     "TrainingEvent",

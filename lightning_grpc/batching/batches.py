@@ -375,6 +375,7 @@ def _add_rollout(
             truncated=truncated,
             filled=filled,
             calls=len(row.call_span_ids),
+            temperature=row.temperature,
         )
         out.call_span_ids += row.call_span_ids
         out.call_policy_versions += row.policy_versions

@@ -44,6 +44,9 @@ log = logs.get_logger(__name__)
 MAX_SAMPLES = 10_000
 MAX_GROUP_SIZE = 1024
 MAX_METRICS = 1000
+MAX_INTERRUPTIONS = 100
+MAX_PROCESS_LENGTH = 128
+MAX_INTERRUPTION_TEXT = 4096
 EVENT_KEY = "trainer.event."
 POLICY_VERSION_KEY = "trainer.policy_version"
 DEFAULT_RUN = "default"
@@ -59,6 +62,24 @@ class GroupSample:
 
 
 @dataclass
+class RunInterruption:
+    """One interruption of a training run and its recovery: a process of the run died and came back."""
+
+    #: When the interruption was noticed (Unix seconds).
+    time: float
+    #: Which process died: "server", "engine", "runners", "trainer", ...
+    process: str
+    #: Why, in words: e.g. "exited with signal 9 (SIGKILL)".
+    cause: str
+    #: How the run recovered and what was redone: e.g. "restarted on the same port after 1.0 s back-off".
+    recovery: str
+    #: How long the recovery took (seconds).
+    recovery_seconds: float
+    #: The training step during which it happened.
+    step: int
+
+
+@dataclass
 class TrainingEvent:
     sequence: int
     run_id: str
@@ -66,6 +87,15 @@ class TrainingEvent:
     policy_version: int
     metrics: dict[str, float]
     time: float
+    #: The run's interruptions recovered since its previous report, oldest first.
+    interruptions: list[RunInterruption] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainingEvent:
+        """An event as kept in the Store's metadata (events stored before interruptions existed load too)."""
+        data = json.loads(text)
+        data["interruptions"] = [RunInterruption(**i) for i in data.get("interruptions", [])]
+        return cls(**data)
 
 
 @dataclass
@@ -127,7 +157,7 @@ class TrainerCore:
         await self.store.durable()
         self.book.rebuild(self.store.rollouts_where(lambda r: GROUP_SIZE_KEY in r.metadata))
         stored = self.store.meta_items(EVENT_KEY)
-        self._events = [TrainingEvent(**json.loads(stored[k])) for k in sorted(stored)]
+        self._events = [TrainingEvent.from_json(stored[k]) for k in sorted(stored)]
         self.policy_version = int(self.store.meta_items(POLICY_VERSION_KEY).get(POLICY_VERSION_KEY, "0"))
         self._event_added = asyncio.Event()
         self._preparing = asyncio.create_task(
@@ -298,19 +328,28 @@ class TrainerCore:
 
     # ------------------------------------------------------------ steps
     async def report_step(
-        self, run_id: str, step: int, policy_version: int, metrics: Mapping[str, float]
+        self,
+        run_id: str,
+        step: int,
+        policy_version: int,
+        metrics: Mapping[str, float],
+        interruptions: Sequence[RunInterruption] = (),
     ) -> TrainingEvent:
         """Record a finished step; its policy version becomes the trainer's current one.
 
-        The same step reported again with the same content returns the stored event (a retry); with
-        other content it is recorded anew (a run resumed from an earlier checkpoint).
+        ``interruptions`` are the run's interruptions recovered since its previous report. The same step
+        reported again with the same content (interruptions included) returns the stored event (a retry);
+        with other content it is recorded anew (a run resumed from an earlier checkpoint).
         """
         _check_step(run_id, step, policy_version, metrics)
+        _check_interruptions(interruptions)
         run_id = run_id or DEFAULT_RUN
         values = {k: float(v) for k, v in metrics.items()}
+        recovered = [_normalized(i) for i in interruptions]
         for earlier in reversed(self._events):  # a resent report: the stored event
             if (earlier.run_id, earlier.step) == (run_id, step):
-                if (earlier.policy_version, earlier.metrics) == (policy_version, values):
+                content = (earlier.policy_version, earlier.metrics, earlier.interruptions)
+                if content == (policy_version, values, recovered):
                     return earlier
                 break
         event = TrainingEvent(
@@ -320,6 +359,7 @@ class TrainerCore:
             policy_version=policy_version,
             metrics=values,
             time=self.clock(),
+            interruptions=recovered,
         )
         self._events.append(event)
         self.policy_version = policy_version
@@ -453,3 +493,42 @@ def _check_step(run_id: str, step: int, policy_version: int, metrics: Mapping[st
             raise InvalidArgumentError("metrics", "names must be 1-256 characters")
         if not math.isfinite(value):
             raise InvalidArgumentError(f"metrics[{name!r}]", f"must be finite (got {value})")
+
+
+def _check_interruptions(interruptions: Sequence[RunInterruption]) -> None:
+    if len(interruptions) > MAX_INTERRUPTIONS:
+        raise InvalidArgumentError(
+            "interruptions", f"must hold at most {MAX_INTERRUPTIONS} entries (got {len(interruptions)})"
+        )
+    for i, interruption in enumerate(interruptions):
+        name = f"interruptions[{i}]"
+        if not interruption.process:
+            raise InvalidArgumentError(f"{name}.process", "is required (the process that died)")
+        if len(interruption.process) > MAX_PROCESS_LENGTH:
+            raise InvalidArgumentError(f"{name}.process", f"must be at most {MAX_PROCESS_LENGTH} characters")
+        for text in ("cause", "recovery"):
+            if len(getattr(interruption, text)) > MAX_INTERRUPTION_TEXT:
+                raise InvalidArgumentError(
+                    f"{name}.{text}", f"must be at most {MAX_INTERRUPTION_TEXT} characters"
+                )
+        seconds = interruption.recovery_seconds
+        if not math.isfinite(seconds) or seconds < 0:
+            raise InvalidArgumentError(
+                f"{name}.recovery_seconds", f"must be finite and at least 0 (got {seconds})"
+            )
+        if interruption.step < 0:
+            raise InvalidArgumentError(f"{name}.step", f"must be at least 0 (got {interruption.step})")
+        if not math.isfinite(interruption.time) or interruption.time < 0:
+            raise InvalidArgumentError(f"{name}.time", f"must be a time (got {interruption.time})")
+
+
+def _normalized(interruption: RunInterruption) -> RunInterruption:
+    """The interruption as stored and compared: plain types."""
+    return RunInterruption(
+        time=float(interruption.time),
+        process=str(interruption.process),
+        cause=str(interruption.cause),
+        recovery=str(interruption.recovery),
+        recovery_seconds=float(interruption.recovery_seconds),
+        step=int(interruption.step),
+    )

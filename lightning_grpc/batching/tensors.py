@@ -30,6 +30,11 @@ ROW_ARRAYS = (
     "filled",
     "calls_per_row",
 )
+#: Per-row arrays a batch carries when its server makes them: a batch from a server before them lacks them
+#: (``Ragged`` then holds None, and the learner keeps its configured value). ``temperatures``: float32, the
+#: temperature each row's calls were sampled at, as the proxy recorded it (1.0, the engine default, when a
+#: call's span does not say).
+OPTIONAL_ROW_ARRAYS = ("temperatures",)
 
 
 def token_dtype(max_id: int) -> np.dtype:
@@ -59,6 +64,15 @@ class Ragged:
     filled: np.ndarray  # [B] bool: its rollout failed and the failure policy filled its reward
     calls_per_row: np.ndarray  # [B] int32: calls merged into the row
     rollout_log_probs: np.ndarray | None = None  # [R] float32 (0 where a row has none), or None
+    temperatures: np.ndarray | None = None  # [B] float32: the sampling temperature of the row's calls
+
+    def row_arrays(self) -> dict[str, np.ndarray]:
+        """The per-row arrays by name (the optional ones when present)."""
+        out = {name: getattr(self, name) for name in ROW_ARRAYS}
+        for name in OPTIONAL_ROW_ARRAYS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
     @property
     def rows(self) -> int:
@@ -67,8 +81,9 @@ class Ragged:
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by name (the wire form)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        if out["rollout_log_probs"] is None:
-            del out["rollout_log_probs"]
+        for name in ("rollout_log_probs", *OPTIONAL_ROW_ARRAYS):
+            if out[name] is None:
+                del out[name]
         return out
 
     @classmethod
@@ -83,7 +98,7 @@ class Ragged:
         lengths = self.prompt_lengths.astype(np.int64) + self.response_lengths
         tok = np.concatenate(([0], np.cumsum(lengths)))
         res = np.concatenate(([0], np.cumsum(self.response_lengths, dtype=np.int64)))
-        per_row = {name: getattr(self, name)[start:stop] for name in ROW_ARRAYS}
+        per_row = {name: array[start:stop] for name, array in self.row_arrays().items()}
         lp = self.rollout_log_probs
         return Ragged(
             token_ids=self.token_ids[tok[start] : tok[stop]],
@@ -93,6 +108,24 @@ class Ragged:
         )
 
 
+def take(batch: Ragged, rows: np.ndarray) -> Ragged:
+    """The rows where the boolean mask ``rows`` is set, in their order, as a batch of their own
+    (rollout_index keeps pointing into the whole batch; rows_per_rollout holds when whole rollouts are taken)."""
+    keep = np.asarray(rows, dtype=np.bool_)
+    if keep.shape != (batch.rows,):
+        raise ValueError(f"the row mask has shape {keep.shape}, the batch {batch.rows} rows")
+    response_lengths = batch.response_lengths.astype(np.int64)
+    tokens = np.repeat(keep, batch.prompt_lengths.astype(np.int64) + response_lengths)
+    responses = np.repeat(keep, response_lengths)
+    lp = batch.rollout_log_probs
+    return Ragged(
+        token_ids=batch.token_ids[tokens],
+        response_mask=batch.response_mask[responses],
+        rollout_log_probs=None if lp is None else lp[responses],
+        **{name: array[keep] for name, array in batch.row_arrays().items()},
+    )
+
+
 def concat(parts: Sequence[Ragged]) -> Ragged:
     """Chunks of one batch back into one (row order kept)."""
     if not parts:
@@ -100,12 +133,20 @@ def concat(parts: Sequence[Ragged]) -> Ragged:
     with_lp = [p.rollout_log_probs is not None for p in parts]
     if any(with_lp) and not all(with_lp):
         raise ValueError("chunks of one batch disagree on whether log-probs are present")
+    optional = {}
+    for name in OPTIONAL_ROW_ARRAYS:
+        present = [getattr(p, name) is not None for p in parts]
+        if any(present) and not all(present):
+            raise ValueError(f"chunks of one batch disagree on whether {name} are present")
+        if all(present):
+            optional[name] = np.concatenate([getattr(p, name) for p in parts])
     dtype = np.result_type(*(p.token_ids.dtype for p in parts))
     return Ragged(
         token_ids=np.concatenate([p.token_ids.astype(dtype, copy=False) for p in parts]),
         response_mask=np.concatenate([p.response_mask for p in parts]),
         rollout_log_probs=np.concatenate([p.rollout_log_probs for p in parts]) if all(with_lp) else None,
         **{name: np.concatenate([getattr(p, name) for p in parts]) for name in ROW_ARRAYS},
+        **optional,
     )
 
 
@@ -124,6 +165,7 @@ class PackRow:
     truncated: bool = False
     filled: bool = False
     calls: int = 1
+    temperature: float = 1.0
 
 
 class RaggedBuilder:
@@ -146,6 +188,7 @@ class RaggedBuilder:
                 "truncated",
                 "filled",
                 "calls_per_row",
+                "temperatures",
             )
         }
 
@@ -166,6 +209,7 @@ class RaggedBuilder:
         truncated: bool = False,
         filled: bool = False,
         calls: int = 1,
+        temperature: float = 1.0,
     ) -> None:
         self._tokens += (prompt_ids, response_ids)
         self._masks.append(response_mask)
@@ -180,6 +224,7 @@ class RaggedBuilder:
         c["truncated"].append(truncated)
         c["filled"].append(filled)
         c["calls_per_row"].append(calls)
+        c["temperatures"].append(temperature)
 
     def build(self) -> Ragged:
         c = self._columns
@@ -214,6 +259,7 @@ class RaggedBuilder:
             filled=np.array(c["filled"], dtype=np.bool_),
             calls_per_row=np.array(c["calls_per_row"], dtype=np.int32),
             rollout_log_probs=log_probs,
+            temperatures=np.array(c["temperatures"], dtype=np.float32),
         )
 
 
@@ -233,6 +279,7 @@ def pack(rows: Sequence[PackRow], *, include_log_probs: bool = True) -> Ragged:
             truncated=r.truncated,
             filled=r.filled,
             calls=r.calls,
+            temperature=r.temperature,
         )
     return builder.build()
 
@@ -373,8 +420,7 @@ def pad(
     fill_padded(batch, out, width_p, width_r, pad_token_id)
     if ids_dtype != np.int64:
         out["position_ids"] = out["position_ids"].astype(ids_dtype)
-    for name in ROW_ARRAYS:
-        out[name] = getattr(batch, name)
+    out.update(batch.row_arrays())
     return out
 
 

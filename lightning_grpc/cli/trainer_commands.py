@@ -9,12 +9,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_grpc._extras import extra_imports
-from lightning_grpc.batching import TrainerStatus
-from lightning_grpc.cli.inspect_commands import common_options, format_fields, format_table, jsonable
+from lightning_grpc.batching import RunInterruption, TrainerStatus
+from lightning_grpc.cli.inspect_commands import (
+    common_options,
+    format_fields,
+    format_table,
+    format_time,
+    jsonable,
+)
 from lightning_grpc.client import ClientConfig, RolloutTripletReport, TrainerClient
 
 
@@ -141,15 +147,31 @@ def triplets_text(report: RolloutTripletReport, decode: Any = None) -> str:
     return "\n".join(parts)
 
 
+#: How many of a run's interruptions ``trainer status`` lists (the latest ones); the count is of all.
+SHOWN_INTERRUPTIONS = 5
+
+
 async def show_status(client: TrainerClient, args: argparse.Namespace) -> None:
     status = await client.status()
+    interruptions = await run_interruptions(client, status)
     if args.json:
-        print(json.dumps(jsonable(status), ensure_ascii=False))
+        print(json.dumps({**jsonable(status), "interruptions": jsonable(interruptions)}, ensure_ascii=False))
         return
-    print(status_text(status))
+    print(status_text(status, interruptions))
 
 
-def status_text(status: TrainerStatus) -> str:
+async def run_interruptions(client: TrainerClient, status: TrainerStatus) -> list[RunInterruption]:
+    """Every interruption reported by the run of the last step, oldest first (from its stored events)."""
+    if status.last_event is None:
+        return []
+    return [
+        interruption
+        async for event in client.watch_training(status.last_event.run_id)
+        for interruption in event.interruptions
+    ]
+
+
+def status_text(status: TrainerStatus, interruptions: Sequence[RunInterruption] = ()) -> str:
     last = status.last_event
     head = format_fields(
         [
@@ -176,7 +198,25 @@ def status_text(status: TrainerStatus) -> str:
                 ["trajectory fell back to per-call rows", "rollouts"], sorted(status.fallbacks.items())
             ),
         ]
+    if interruptions:
+        parts += ["", interruptions_text(interruptions)]
     return "\n".join(parts)
+
+
+def interruptions_text(interruptions: Sequence[RunInterruption], shown: int = SHOWN_INTERRUPTIONS) -> str:
+    """The run's interruption count, then its latest ones, one line each: when, the step, the process,
+    the cause, the recovery and how long it took."""
+    latest = interruptions[-shown:]
+    which = f", the last {len(latest)}" if len(latest) < len(interruptions) else ""
+    lines = [f"interruptions: {len(interruptions)} (recovered{which})"]
+    for i in latest:
+        when = format_time(i.time) or "-"
+        cause = i.cause or "unknown cause"
+        recovery = i.recovery or "recovered"
+        lines.append(
+            f"  {when}  step {i.step}  {i.process}: {cause}; {recovery} ({i.recovery_seconds:.1f} s)"
+        )
+    return "\n".join(lines)
 
 
 def no_signal_line(metrics: Mapping[str, float]) -> str:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mappin
 from typing import Any, TypeVar
 
 from lightning_grpc import types as t
-from lightning_grpc.batching import BatchOptions, Layout, TrainingEvent
+from lightning_grpc.batching import BatchOptions, Layout, RunInterruption, TrainingEvent
 from lightning_grpc.batching.core import TrainerStatus
 from lightning_grpc.batching.options import Aggregation, FailurePolicy, PromptOverflow, RewardMatch
 from lightning_grpc.types import AddSpansResult, AttemptHeartbeat, WatchEvent
@@ -698,9 +698,19 @@ class SyncTrainerClient(_BlockingLoop):
         )
 
     def report_step(
-        self, step: int, policy_version: int, metrics: Mapping[str, float] | None = None, *, run_id: str = ""
+        self,
+        step: int,
+        policy_version: int,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        run_id: str = "",
+        interruptions: Sequence[RunInterruption] = (),
     ) -> TrainingEvent:
-        return self._run(self._client.report_step(step, policy_version, metrics, run_id=run_id))
+        return self._run(
+            self._client.report_step(
+                step, policy_version, metrics, run_id=run_id, interruptions=interruptions
+            )
+        )
 
     def watch_training(
         self, run_id: str = "", *, after_sequence: int = 0, follow: bool = False

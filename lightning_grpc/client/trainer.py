@@ -14,13 +14,20 @@ import numpy as np
 
 from lightning_grpc import convert
 from lightning_grpc import types as t
-from lightning_grpc.batching import BatchOptions, BatchRollout, GroupSample, Layout, RowInfo, TrainingEvent
+from lightning_grpc.batching import (
+    BatchOptions,
+    BatchRollout,
+    GroupSample,
+    Layout,
+    RowInfo,
+    RunInterruption,
+    TrainingEvent,
+)
 from lightning_grpc.batching.batches import row_infos
 from lightning_grpc.batching.core import GroupCounts, TrainerStatus
 from lightning_grpc.batching.options import Aggregation, FailurePolicy, PromptOverflow, RewardMatch
 from lightning_grpc.batching.tensors import (
     INDEX_ARRAYS,
-    ROW_ARRAYS,
     Ragged,
     concat,
     fill_padded,
@@ -52,7 +59,9 @@ class TrainingBatch:
 
     ``arrays`` holds prompts, responses, input_ids, attention_mask, position_ids, response_mask,
     token_level_scores, rollout_log_probs (when recorded) and the per-row arrays (rollout_index,
-    rows_per_rollout, rollout_rewards, scores, has_rollout_log_probs, prompt/response lengths).
+    rows_per_rollout, rollout_rewards, scores, has_rollout_log_probs, prompt/response lengths, and
+    ``temperatures``: float32, the sampling temperature of each row's calls as the proxy recorded them, 1.0
+    when a call's span does not say; absent from a server before it).
     ``uid`` is each row's group id (GRPO's grouping), ``rollout_ids`` each row's rollout.
     """
 
@@ -179,6 +188,8 @@ def _triplet(m: pb.Triplet) -> Triplet:
         finish_reason=m.finish_reason,
         streamed=m.streamed,
         forced_positions=np.fromiter(m.forced_positions, dtype=np.int32, count=len(m.forced_positions)),
+        temperature=m.temperature if m.HasField("temperature") else None,
+        top_p=m.top_p if m.HasField("top_p") else None,
     )
 
 
@@ -394,27 +405,40 @@ class TrainerClient:
         return assembler.finish()
 
     async def report_step(
-        self, step: int, policy_version: int, metrics: Mapping[str, float] | None = None, *, run_id: str = ""
+        self,
+        step: int,
+        policy_version: int,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        run_id: str = "",
+        interruptions: Sequence[RunInterruption] = (),
     ) -> TrainingEvent:
         """Report a finished training step and the policy version it produced.
 
-        Retried on UNAVAILABLE: a step reported again with the same content is answered with the
-        stored event (with other content it is recorded anew: a run resumed from a checkpoint).
+        Retried on UNAVAILABLE: a step reported again with the same content (interruptions included) is
+        answered with the stored event (with other content it is recorded anew: a run resumed from a
+        checkpoint).
 
         Args:
             step: The step number.
             policy_version: The policy version after the step.
             metrics: The step's metrics by name.
             run_id: The training run ("": the default run).
+            interruptions: The run's interruptions recovered since its previous report (a process that
+                died, the cause, how the run recovered and how long it took), oldest first; kept with the
+                step's event and shown by ``trainer status`` and the dashboard.
 
         Returns:
             The stored event.
 
         Raises:
-            InvalidArgumentError: A refused step, version or metric.
+            InvalidArgumentError: A refused step, version, metric or interruption (the field is named,
+                e.g. ``interruptions[0].process``).
         """
         request = pb.ReportStepRequest(run_id=run_id, step=step, policy_version=policy_version)
         request.metrics.update({k: float(v) for k, v in (metrics or {}).items()})
+        for interruption in interruptions:
+            convert.run_interruption_to_pb(interruption, request.interruptions.add())
         resp = await self._call("ReportStep", request)
         return convert.training_event_from_pb(resp.event)
 
@@ -648,8 +672,8 @@ class BatchAssembler:
             ragged = self._parts[0] if len(self._parts) == 1 else concat(self._parts)
             if self._out is not None and self._padded_rows == ragged.rows == header.row_count:
                 arrays = dict(self._out)
-                for name in ROW_ARRAYS:  # small: copied, so every array of the batch is writable
-                    arrays[name] = np.array(getattr(ragged, name))
+                for name, array in ragged.row_arrays().items():  # small: copied, so every array is writable
+                    arrays[name] = np.array(array)
             else:  # not padded on the way (no widths in the header, or chunks that disagree with them)
                 arrays = pad(ragged, pad_token_id=header.pad_token_id)
         status = _ROLLOUT_STATUS

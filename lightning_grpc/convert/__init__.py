@@ -33,6 +33,8 @@ from .store import (
 from .trainer import (
     batch_options_from_pb,
     batch_options_to_pb,
+    run_interruption_from_pb,
+    run_interruption_to_pb,
     tensor_from_pb,
     tensor_to_pb,
     training_event_from_pb,
@@ -76,6 +78,8 @@ __all__ = [
     "resources_update_to_pb",
     "rollout_from_pb",
     "rollout_to_pb",
+    "run_interruption_from_pb",
+    "run_interruption_to_pb",
     "set_ts",
     "span_from_pb",
     "span_records",

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from lightning_grpc.batching.core import TrainingEvent
+from lightning_grpc.batching.core import RunInterruption, TrainingEvent
 from lightning_grpc.batching.options import BatchOptions
 from lightning_grpc.errors import InvalidArgumentError
 from lightning_grpc.triplets import Fallback, FallbackReason
@@ -97,6 +97,8 @@ def training_event_to_pb(e: TrainingEvent, out: trainer_service_pb2.TrainingEven
     out.policy_version = e.policy_version
     out.metrics.update(e.metrics)
     set_ts(out.time, e.time)
+    for interruption in e.interruptions:
+        run_interruption_to_pb(interruption, out.interruptions.add())
 
 
 def training_event_from_pb(m: trainer_service_pb2.TrainingEvent) -> TrainingEvent:
@@ -107,6 +109,27 @@ def training_event_from_pb(m: trainer_service_pb2.TrainingEvent) -> TrainingEven
         policy_version=m.policy_version,
         metrics=dict(m.metrics),
         time=ts_to_float(m.time),
+        interruptions=[run_interruption_from_pb(i) for i in m.interruptions],
+    )
+
+
+def run_interruption_to_pb(i: RunInterruption, out: trainer_service_pb2.RunInterruption) -> None:
+    set_ts(out.time, i.time)
+    out.process = i.process
+    out.cause = i.cause
+    out.recovery = i.recovery
+    out.recovery_seconds = i.recovery_seconds
+    out.step = i.step
+
+
+def run_interruption_from_pb(m: trainer_service_pb2.RunInterruption) -> RunInterruption:
+    return RunInterruption(
+        time=ts_to_float(m.time),
+        process=m.process,
+        cause=m.cause,
+        recovery=m.recovery,
+        recovery_seconds=m.recovery_seconds,
+        step=m.step,
     )
 
 

@@ -91,6 +91,8 @@ def llm_call_span(rec: CallRecord) -> Span:
         semconv.LLM_REQUEST: _json(rec.request),
         semconv.LLM_STREAMED: rec.streamed,
         semconv.LLM_LATENCY_MS: float(rec.latency_ms),
+        # what the engine sampled with: the request it got (a dialect's translated to chat), defaults filled in
+        **semconv.sampling_attributes(rec.request),
     }
     attrs[semconv.LLM_DIALECT] = rec.dialect or _DEFAULT_DIALECT[rec.kind]
     if rec.dialect_request is not None:

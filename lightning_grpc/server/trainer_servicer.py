@@ -177,7 +177,11 @@ class TrainerServicer(ServicerState, pb_grpc.TrainerServiceServicer):
     @unary
     async def ReportStep(self, request: pb.ReportStepRequest, context: Ctx) -> pb.ReportStepResponse:
         event = await self.core.report_step(
-            request.run_id, request.step, request.policy_version, dict(request.metrics)
+            request.run_id,
+            request.step,
+            request.policy_version,
+            dict(request.metrics),
+            [convert.run_interruption_from_pb(i) for i in request.interruptions],
         )
         resp = pb.ReportStepResponse()
         convert.training_event_to_pb(event, resp.event)
@@ -245,6 +249,10 @@ class TrainerServicer(ServicerState, pb_grpc.TrainerServiceServicer):
                 m.log_probs.extend(t.logprobs.tolist())
             if t.reward is not None:
                 m.reward = t.reward
+            if t.temperature is not None:
+                m.temperature = t.temperature
+            if t.top_p is not None:
+                m.top_p = t.top_p
         for d in triplets.drops:
             resp.drops.add(
                 reason=str(getattr(d.reason, "value", d.reason)),

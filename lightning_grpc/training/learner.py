@@ -4,6 +4,8 @@ Advantages are computed once per rollout (its group's mean and spread over rollo
 broadcast to every row of the rollout; the loss is the dual-clip PPO surrogate of :mod:`.ppo` with
 verl's knobs. Old log-probs are recomputed under the current weights, or taken from the proxy's
 recorded ones (``old_log_probs="rollout"``, verl's bypass mode); the gap between the two is reported.
+Log-probs (and entropy) of a row are computed at the temperature its calls were sampled at, as the proxy
+recorded it per call (the batch's ``temperatures``); a batch without them uses ``OptimConfig.temperature``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class OptimConfig:
     temperature: float = field(
         default=1.0,
         metadata={
-            "help": "The sampling temperature: log-probs are computed at it, as the engine sampled "
+            "help": "The sampling temperature: log-probs of a row are computed at the temperature its calls "
+            "were sampled at, as the proxy recorded it (the batch's temperatures), else at this one "
             "(an experiment file sets it as sampling.temperature)."
         },
     )
@@ -293,12 +296,15 @@ class Learner:
             t["rollout_log_probs"] = torch.as_tensor(
                 np.asarray(arrays["rollout_log_probs"]), dtype=torch.float32, device=self.device
             )
+        if "temperatures" in arrays:
+            t["temperatures"] = row_temperatures(arrays["temperatures"], self.optim.temperature, self.device)
         return t
 
     def _log_probs(
         self, model: Any, t: Mapping[str, torch.Tensor], *, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probs (and entropy) of the responses, at the sampling temperature."""
+        """Per-token log-probs (and entropy) of the responses, at the sampling temperature: each row's
+        recorded one (``temperatures``, when the batch has them), else the configured one."""
         responses = t["responses"]
         width = responses.shape[1]
         out = model(
@@ -308,8 +314,9 @@ class Learner:
             logits_to_keep=width + 1,  # the LM head only where responses are predicted
         )
         logits = out.logits[:, :-1, :]
-        log_prob = ppo.token_log_probs(logits, responses, self.optim.temperature)
-        entropy = ppo.entropy_from_logits(logits / self.optim.temperature) if with_entropy else None
+        temperature = t.get("temperatures", self.optim.temperature)
+        log_prob = ppo.token_log_probs(logits, responses, temperature)
+        entropy = ppo.entropy_from_logits(ppo.scale_logits(logits, temperature)) if with_entropy else None
         return log_prob, entropy
 
     # ------------------------------------------------------------ weights and checkpoints
@@ -369,6 +376,15 @@ class Learner:
 
 
 # ------------------------------------------------------------ batch helpers
+def row_temperatures(recorded: np.ndarray, configured: float, device: Any = None) -> torch.Tensor:
+    """The temperature the learner computes each row's log-probs at: the one its calls were sampled at, as
+    the proxy recorded it (the batch's ``temperatures``); a greedy row (0, where there is no distribution to
+    match) or a value that is not a positive number keeps the configured one."""
+    values = torch.as_tensor(np.asarray(recorded), dtype=torch.float32, device=device)
+    usable = torch.isfinite(values) & (values > 0)
+    return torch.where(usable, values, torch.full_like(values, float(configured)))
+
+
 def take_rows(
     t: Mapping[str, torch.Tensor], rows: torch.Tensor
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

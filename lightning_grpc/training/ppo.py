@@ -435,27 +435,58 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - torch.sum(probabilities * logits, dim=-1)
 
 
-def token_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+def token_log_probs(logits: Tensor, tokens: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
     """Log-probabilities (float32) of ``tokens`` under ``softmax(logits / temperature)``: ``[..., V] -> [...]``.
 
     verl: the actor's ``logits.div_(temperature)`` then ``verl_F.logprobs_from_logits``. Computed as
     ``logit - logsumexp(logits)`` a chunk of positions at a time, so that without autograd (old and
     reference log-probs) the float32 copy of the logits held at once stays near 64 MiB whatever the
     vocabulary (2k to 150k entries); with autograd, backward keeps one float32 copy, as log_softmax would.
+
+    ``temperature``: one number, or one per row (a tensor of shape ``tokens.shape[:1]``, such as a batch's
+    recorded ``temperatures``): row ``i`` under ``softmax(logits[i] / temperature[i])``.
     """
-    _require(temperature > 0.0, "temperature", "must be > 0", temperature)
     vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, vocab)
     flat_tokens = tokens.reshape(-1)
     chunk = max(1, _LOG_PROB_CHUNK_ELEMENTS // vocab)
+    logit_chunks, token_chunks = flat_logits.split(chunk), flat_tokens.split(chunk)
+    divisors: Sequence[float | Tensor]
+    if isinstance(temperature, Tensor):
+        per_row = _row_temperatures(temperature, tokens)
+        per_position = per_row.reshape(-1, *([1] * (tokens.dim() - 1))).expand(tokens.shape).reshape(-1, 1)
+        divisors = per_position.split(chunk)
+    else:
+        _require(temperature > 0.0, "temperature", "must be > 0", temperature)
+        divisors = [temperature] * len(token_chunks)
     pieces = [
-        _chunk_log_probs(logit_chunk, token_chunk, temperature)
-        for logit_chunk, token_chunk in zip(flat_logits.split(chunk), flat_tokens.split(chunk), strict=True)
+        _chunk_log_probs(logit_chunk, token_chunk, divisor)
+        for logit_chunk, token_chunk, divisor in zip(logit_chunks, token_chunks, divisors, strict=True)
     ]
     return torch.cat(pieces).reshape(tokens.shape)
 
 
-def _chunk_log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+def scale_logits(logits: Tensor, temperature: float | Tensor) -> Tensor:
+    """``logits / temperature``: one number, or one per row (shape ``logits.shape[:1]``) over ``[B, ..., V]``."""
+    if isinstance(temperature, Tensor):
+        per_row = _row_temperatures(temperature, logits)
+        return logits / per_row.reshape(-1, *([1] * (logits.dim() - 1))).to(logits.dtype)
+    _require(temperature > 0.0, "temperature", "must be > 0", temperature)
+    return logits / temperature
+
+
+def _row_temperatures(temperature: Tensor, rows_of: Tensor) -> Tensor:
+    _require(
+        temperature.dim() == 1 and temperature.shape[0] == rows_of.shape[0],
+        "temperature",
+        f"must be one per row ({rows_of.shape[0]})",
+        tuple(temperature.shape),
+    )
+    _require(bool((temperature > 0.0).all()), "temperature", "must be > 0 on every row", temperature.tolist())
+    return temperature.float()
+
+
+def _chunk_log_probs(logits: Tensor, tokens: Tensor, temperature: float | Tensor) -> Tensor:
     scaled = logits.float() / temperature
     chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return chosen - torch.logsumexp(scaled, dim=-1)

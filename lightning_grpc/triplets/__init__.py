@@ -14,7 +14,9 @@ rollouts or attempts raise ValueError), attributes decoded. Span and attribute n
 one per response token), ``LLM_POLICY_VERSION`` (-1 when absent), ``LLM_RESPONSE_FORCED_POSITIONS`` (the
 response positions a grammar forced, e.g. the frame of a forced tool call: ``Triplet.forced_positions``,
 sorted; malformed values ignored, positions out of range left out; for ``n > 1`` the other choices' come
-from ``choices[i].forced_token_positions``). Call order: start time, then sequence id.
+from ``choices[i].forced_token_positions``), ``LLM_REQUEST_TEMPERATURE`` / ``LLM_REQUEST_TOP_P`` (what the
+engine sampled with: ``Triplet.temperature`` / ``top_p``, None when the span does not say; a row counts an
+unknown temperature as 1.0, the engine default). Call order: start time, then sequence id.
 Ids are int32 numpy arrays, log-probs float32.
 
 **Trace tree** (:mod:`.tree`). Children in call order; a parent id naming no given span becomes a virtual
@@ -59,7 +61,10 @@ the reward is the sum of the calls' rewards. When any call does not extend its c
 re-rendered the history), the whole rollout falls back to one row per call, as ``"transition"`` makes them,
 rather than train on a spliced sequence: :attr:`Aggregated.fallback` gives the reason
 (:class:`FallbackReason`, ``"prompt_not_extension"``), the first such call, the first position where its
-prompt differs from the earlier turns and the two token ids there; :attr:`Aggregated.breaks` then holds the
+prompt differs from the earlier turns and the two token ids there. A row has one sampling temperature
+(``Row.temperature``, the learner's for its log-probs): a call sampled at another temperature than its
+chain's first makes the rollout fall back the same way (``"temperature_differs"``, position and tokens -1);
+:attr:`Aggregated.breaks` then holds the
 call_index of every call that starts a row but is not its chain's first (empty when nothing fell back).
 Threads: interleaved calls of two agents make two rows; two threads of one agent (a sub-conversation that
 starts afresh) cannot be told from a re-rendered history, so they fall back (``agent_match`` trains one

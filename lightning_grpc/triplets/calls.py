@@ -46,6 +46,9 @@ class Call:
     streamed: bool
     agent_name: str
     in_reward_scope: bool
+    #: The sampling temperature and top_p the span records (None: not recorded).
+    temperature: float | None = None
+    top_p: float | None = None
 
     @property
     def span_id(self) -> str:
@@ -65,6 +68,7 @@ def read_call(node: Node, index: int) -> Call:
         )
     finish_reason = str(attributes.get(semconv.LLM_FINISH_REASON) or "")
     version = attributes.get(semconv.LLM_POLICY_VERSION)
+    temperature, top_p = semconv.read_sampling(attributes)
     return Call(
         node=node,
         index=index,
@@ -81,6 +85,8 @@ def read_call(node: Node, index: int) -> Call:
         streamed=attributes.get(semconv.LLM_STREAMED) is True,
         agent_name=agent_above(node),
         in_reward_scope=is_under_reward_scope(node),
+        temperature=temperature,
+        top_p=top_p,
     )
 
 

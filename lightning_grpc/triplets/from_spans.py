@@ -222,4 +222,6 @@ def triplet_of(call: Call, choice: Choice, position: int) -> Triplet:
         finish_reason=choice.finish_reason,
         streamed=call.streamed,
         forced_positions=choice.forced_positions,
+        temperature=call.temperature,
+        top_p=call.top_p,
     )

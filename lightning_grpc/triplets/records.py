@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_grpc.semconv import DEFAULT_TEMPERATURE
+
 
 class DropReason(enum.StrEnum):
     """Why a call (or a choice, or a reward) was not trained. The trainer adds batch-level reasons of its own."""
@@ -69,6 +71,15 @@ class Triplet:
     #: int32, sorted indices into ``response_ids`` of the tokens a grammar forced (the only token it
     #: allowed): not the policy's choice, so their rows' ``response_mask`` is 0 there.
     forced_positions: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    #: The sampling temperature and top_p the engine used for the call, as the proxy recorded them
+    #: (``semconv.LLM_REQUEST_TEMPERATURE``, ``LLM_REQUEST_TOP_P``); None when the span does not say.
+    temperature: float | None = None
+    top_p: float | None = None
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature the call was sampled at: the recorded one, else the engine default (1.0)."""
+        return DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
 
 
 @dataclass(eq=False)
@@ -90,13 +101,18 @@ class FallbackReason(enum.StrEnum):
     #: A call's prompt does not start with its chain's previous prompt + response, token for token (an agent
     #: framework re-rendered the history: re-serialized tool-call arguments, a dropped reasoning part, ...).
     PROMPT_NOT_EXTENSION = "prompt_not_extension"
+    #: A call was sampled at another temperature than its chain's first call: a row has one temperature,
+    #: the one the learner computes its log-probs at, so the calls are trained as rows of their own.
+    TEMPERATURE_DIFFERS = "temperature_differs"
 
 
 @dataclass(frozen=True)
 class Fallback:
     """Why trajectory aggregation gave up on a rollout: the first call (in call order) that did not extend
     its chain, the first position where its prompt differs from the earlier turns, the two token ids there
-    (``actual_token`` is -1 when the prompt ended before), and a readable detail naming all of it."""
+    (``actual_token`` is -1 when the prompt ended before), and a readable detail naming all of it.
+    ``TEMPERATURE_DIFFERS``: the first call sampled at another temperature than its chain's first call; the
+    position and tokens are -1, the detail names both temperatures."""
 
     reason: FallbackReason | str
     call_index: int

@@ -11,6 +11,8 @@ from functools import cached_property
 
 import numpy as np
 
+from lightning_grpc.semconv import DEFAULT_TEMPERATURE
+
 from .config import check_aggregation
 from .records import Fallback, FallbackReason, Triplet
 from .tokens import first_difference, logprobs_from
@@ -31,6 +33,9 @@ class Row:
     call_span_ids: list[str]
     policy_versions: list[int]
     finish_reason: str  # of its last call
+    #: The temperature its calls were sampled at (recorded per call; 1.0, the engine default, when a span
+    #: does not say): the learner computes the row's log-probs at it. A trajectory row's calls share one.
+    temperature: float = DEFAULT_TEMPERATURE
 
     @cached_property
     def trainable_tokens(self) -> int:
@@ -54,8 +59,9 @@ def rows_from_triplets(triplets: Sequence[Triplet], aggregation: str) -> Aggrega
     Trajectory: the calls of each agent (``Triplet.agent_name``) form one chain, in call order; a chain is
     one row when each call's prompt starts with the previous call's prompt and response, token for token:
     the prompt tokens after them (the observation) join the response with mask 0 and logprob 0, then the
-    call's response with mask 1. When any call does not extend its chain, the whole rollout falls back to
-    one row per call and ``fallback`` says which call and where its prompt first differs.
+    call's response with mask 1. When any call does not extend its chain, or was sampled at another
+    temperature than its chain's first call, the whole rollout falls back to one row per call and
+    ``fallback`` says which call and why (where its prompt first differs, or both temperatures).
     """
     check_aggregation(aggregation)
     ordered = sorted(triplets, key=lambda triplet: triplet.call_index)
@@ -96,7 +102,21 @@ def chain_fallback(chain: Sequence[Triplet]) -> Fallback | None:
         position = first_difference(prompt, expected)
         if position is not None:
             return prompt_not_extension(previous, triplet, prompt, expected, position)
+        if triplet.sampling_temperature != chain[0].sampling_temperature:
+            return temperature_differs(chain[0], triplet)
     return None
+
+
+def temperature_differs(first: Triplet, triplet: Triplet) -> Fallback:
+    """A call sampled at another temperature than its chain's first: one row has one temperature."""
+    detail = (
+        f"call {triplet.call_index} (span {triplet.span_id}) was sampled at temperature "
+        f"{triplet.sampling_temperature:g}, call {first.call_index} at {first.sampling_temperature:g}: "
+        "a row's log-probs are computed at one temperature"
+    )
+    return Fallback(
+        FallbackReason.TEMPERATURE_DIFFERS, triplet.call_index, triplet.span_id, -1, -1, -1, detail
+    )
 
 
 def prompt_not_extension(
@@ -159,6 +179,7 @@ def row_of_call(triplet: Triplet) -> Row:
         call_span_ids=[triplet.span_id],
         policy_versions=[triplet.policy_version],
         finish_reason=triplet.finish_reason,
+        temperature=triplet.sampling_temperature,
     )
 
 
@@ -207,4 +228,5 @@ class TrajectoryRow:
             call_span_ids=self.span_ids,
             policy_versions=self.versions,
             finish_reason=self.last.finish_reason,
+            temperature=self.first.sampling_temperature,
         )

@@ -749,6 +749,7 @@ class ReportStepRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
+    INTERRUPTIONS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The training run (one name per experiment; "default" when empty)."""
     step: _builtins.int
@@ -756,6 +757,12 @@ class ReportStepRequest(_message.Message):
     """The policy version the step produced; later calls are expected to record it."""
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def interruptions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunInterruption]:
+        """The interruptions of the run recovered since the previous report (a process killed or dead, and how
+        the run came back), oldest first. Part of the report's content: a resend must carry them again.
+        """
+
     def __init__(
         self,
         *,
@@ -763,14 +770,63 @@ class ReportStepRequest(_message.Message):
         step: _builtins.int = ...,
         policy_version: _builtins.int = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        interruptions: _abc.Iterable[Global___RunInterruption] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "policy_version", b"policy_version", "run_id", b"run_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interruptions", b"interruptions", "metrics", b"metrics", "policy_version", b"policy_version", "run_id", b"run_id", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportStepRequest: _TypeAlias = ReportStepRequest  # noqa: Y015
+
+@_typing.final
+class RunInterruption(_message.Message):
+    """One interruption of a training run and its recovery: a process of the run died (killed, crashed) and
+    the run restarted it or was resumed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    RECOVERY_FIELD_NUMBER: _builtins.int
+    RECOVERY_SECONDS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    process: _builtins.str
+    """Which process of the run died: "server", "engine", "runners", "trainer", ..."""
+    cause: _builtins.str
+    """Why it died, in words: e.g. "exited with signal 9 (SIGKILL)"."""
+    recovery: _builtins.str
+    """How the run recovered, and what was redone: e.g. "restarted on the same port after 1.0 s back-off",
+    or "resumed from checkpoint step-000010; steps 11-12 redone from their stored batches".
+    """
+    recovery_seconds: _builtins.float
+    """How long the recovery took, from the interruption until the process served again (seconds)."""
+    step: _builtins.int
+    """The training step during which it happened."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """When the interruption was noticed."""
+
+    def __init__(
+        self,
+        *,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        process: _builtins.str = ...,
+        cause: _builtins.str = ...,
+        recovery: _builtins.str = ...,
+        recovery_seconds: _builtins.float = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "process", b"process", "recovery", b"recovery", "recovery_seconds", b"recovery_seconds", "step", b"step", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunInterruption: _TypeAlias = RunInterruption  # noqa: Y015
 
 @_typing.final
 class TrainingEvent(_message.Message):
@@ -804,6 +860,7 @@ class TrainingEvent(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
+    INTERRUPTIONS_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Increases by one per event, across runs."""
     run_id: _builtins.str
@@ -813,6 +870,10 @@ class TrainingEvent(_message.Message):
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def interruptions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunInterruption]:
+        """The interruptions the report carried: those recovered since the run's previous report."""
+
     def __init__(
         self,
         *,
@@ -822,10 +883,11 @@ class TrainingEvent(_message.Message):
         policy_version: _builtins.int = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
+        interruptions: _abc.Iterable[Global___RunInterruption] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "policy_version", b"policy_version", "run_id", b"run_id", "sequence", b"sequence", "step", b"step", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interruptions", b"interruptions", "metrics", b"metrics", "policy_version", b"policy_version", "run_id", b"run_id", "sequence", b"sequence", "step", b"step", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1052,6 +1114,8 @@ class Triplet(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     STREAMED_FIELD_NUMBER: _builtins.int
     FORCED_POSITIONS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """Absent when no reward was matched to the call."""
     span_id: _builtins.str
@@ -1062,6 +1126,13 @@ class Triplet(_message.Message):
     agent_name: _builtins.str
     finish_reason: _builtins.str
     streamed: _builtins.bool
+    temperature: _builtins.float
+    """The sampling temperature the engine used for the call, as the proxy recorded it (the request's, else the
+    engine default 1.0): the learner computes the call's log-probs at it. Absent when the span does not say
+    (its rows then count as 1.0).
+    """
+    top_p: _builtins.float
+    """The call's nucleus-sampling top_p, recorded the same way (absent when the span does not say)."""
     @_builtins.property
     def prompt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1090,14 +1161,25 @@ class Triplet(_message.Message):
         finish_reason: _builtins.str = ...,
         streamed: _builtins.bool = ...,
         forced_positions: _abc.Iterable[_builtins.int] | None = ...,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "reward", b"reward"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "_temperature", b"_temperature", "_top_p", b"_top_p", "reward", b"reward", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "agent_name", b"agent_name", "call_index", b"call_index", "finish_reason", b"finish_reason", "forced_positions", b"forced_positions", "log_probs", b"log_probs", "model", b"model", "policy_version", b"policy_version", "prompt_ids", b"prompt_ids", "response_id", b"response_id", "response_ids", b"response_ids", "reward", b"reward", "span_id", b"span_id", "streamed", b"streamed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reward", b"_reward", "_temperature", b"_temperature", "_top_p", b"_top_p", "agent_name", b"agent_name", "call_index", b"call_index", "finish_reason", b"finish_reason", "forced_positions", b"forced_positions", "log_probs", b"log_probs", "model", b"model", "policy_version", b"policy_version", "prompt_ids", b"prompt_ids", "response_id", b"response_id", "response_ids", b"response_ids", "reward", b"reward", "span_id", b"span_id", "streamed", b"streamed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reward: _TypeAlias = _typing.Literal["reward"]  # noqa: Y015
     _WhichOneofArgType__reward: _TypeAlias = _typing.Literal["_reward", b"_reward"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reward) -> _WhichOneofReturnType__reward | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___Triplet: _TypeAlias = Triplet  # noqa: Y015
 
@@ -1146,7 +1228,10 @@ class AggregationFallback(_message.Message):
     ACTUAL_TOKEN_ID_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
-    """"prompt_not_extension": a call's prompt does not start with its chain's previous prompt + response."""
+    """"prompt_not_extension": a call's prompt does not start with its chain's previous prompt + response.
+    "temperature_differs": a call was sampled at another temperature than its chain's first call (position
+    and token ids are then -1).
+    """
     call_index: _builtins.int
     """The first such call (its call_index among the trained calls) and its span."""
     span_id: _builtins.str

@@ -101,7 +101,8 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportStep(self, request, context):
-        """Records a finished training step: its metrics and the policy version it produced.
+        """Records a finished training step: its metrics, the policy version it produced, and the run's
+        interruptions (processes that died and how the run recovered) since the previous report.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

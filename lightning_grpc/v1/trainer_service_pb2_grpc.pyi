@@ -51,7 +51,9 @@ class TrainerServiceStub:
     A retry with the same request_id returns the same batch.
     """
     ReportStep: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.ReportStepRequest, _trainer_service_pb2.ReportStepResponse]
-    """Records a finished training step: its metrics and the policy version it produced."""
+    """Records a finished training step: its metrics, the policy version it produced, and the run's
+    interruptions (processes that died and how the run recovered) since the previous report.
+    """
     WatchTraining: _grpc.UnaryStreamMultiCallable[_trainer_service_pb2.WatchTrainingRequest, _trainer_service_pb2.WatchTrainingResponse]
     """Streams training events (reported steps) after a sequence number, then new ones as they come."""
     GetTrainerStatus: _grpc.UnaryUnaryMultiCallable[_trainer_service_pb2.GetTrainerStatusRequest, _trainer_service_pb2.GetTrainerStatusResponse]
@@ -82,7 +84,9 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     A retry with the same request_id returns the same batch.
     """
     ReportStep: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.ReportStepRequest, _trainer_service_pb2.ReportStepResponse]  # type: ignore[assignment]
-    """Records a finished training step: its metrics and the policy version it produced."""
+    """Records a finished training step: its metrics, the policy version it produced, and the run's
+    interruptions (processes that died and how the run recovered) since the previous report.
+    """
     WatchTraining: _aio.UnaryStreamMultiCallable[_trainer_service_pb2.WatchTrainingRequest, _trainer_service_pb2.WatchTrainingResponse]  # type: ignore[assignment]
     """Streams training events (reported steps) after a sequence number, then new ones as they come."""
     GetTrainerStatus: _aio.UnaryUnaryMultiCallable[_trainer_service_pb2.GetTrainerStatusRequest, _trainer_service_pb2.GetTrainerStatusResponse]  # type: ignore[assignment]
@@ -128,7 +132,9 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _trainer_service_pb2.ReportStepRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_service_pb2.ReportStepResponse, _abc.Awaitable[_trainer_service_pb2.ReportStepResponse]]:
-        """Records a finished training step: its metrics and the policy version it produced."""
+        """Records a finished training step: its metrics, the policy version it produced, and the run's
+        interruptions (processes that died and how the run recovered) since the previous report.
+        """
 
     @_abc_1.abstractmethod
     def WatchTraining(

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from lightning_grpc import semconv
+from lightning_grpc.batching import RunInterruption
 from lightning_grpc.client import StoreClient, TrainerClient
 from lightning_grpc.engine import EngineProcess
 from lightning_grpc.processes import Background
@@ -330,4 +331,38 @@ def test_training_page_plots_the_runs_steps(live: Live, browser: Browser) -> Non
     page.locator("table.steps tbody tr[data-step='3']").wait_for(timeout=15_000)
     for metric in ("reward_mean", "ppo_kl", "pg_clipfrac", "step_seconds"):
         assert page.locator(f"figure[data-metric={metric}] circle").count() == 3, metric
+    # the run's interruptions: none so far, then one reported with a step is listed live
+    section = page.locator("[data-section=interruptions]")
+    assert section.locator("p.no-interruptions").is_visible()
+    assert not section.locator("table.interruptions").is_visible()
+    call(
+        live,
+        "report_step",
+        4,
+        4,
+        {"reward_mean": 0.5},
+        run_id="dashboard-run",
+        interruptions=[
+            RunInterruption(
+                time=time.time() - 5,
+                process="engine",
+                cause="exited with signal 9 (SIGKILL)",
+                recovery="restarted on the same port after 1.0 s back-off",
+                recovery_seconds=2.5,
+                step=4,
+            )
+        ],
+        trainer=True,
+    )
+    row = section.locator("table.interruptions tbody tr[data-interruption=engine]")
+    row.wait_for(timeout=15_000)
+    cells = row.locator("td").all_inner_texts()
+    assert cells[1:] == [
+        "4",
+        "engine",
+        "exited with signal 9 (SIGKILL)",
+        "restarted on the same port after 1.0 s back-off",
+        "2.5",
+    ], cells
+    assert not section.locator("p.no-interruptions").is_visible()
     browser.shot("training")

@@ -28,7 +28,8 @@ import trustme
 from google.rpc import error_details_pb2
 
 from lightning_grpc.access import Credentials
-from lightning_grpc.client import StoreClient
+from lightning_grpc.batching import RunInterruption
+from lightning_grpc.client import StoreClient, TrainerClient
 from lightning_grpc.dashboard import DashboardConfig, RunningDashboard, companion, start_dashboard
 from lightning_grpc.dashboard.app import grpc_target
 from lightning_grpc.dashboard.connect import Procedure
@@ -359,6 +360,42 @@ async def test_a_bad_stream_request_ends_the_stream_with_the_error(open_server: 
         _, end = await read_stream(resp)
     assert end["error"]["code"] == "not_found"
     assert error_info(end["error"]).reason == "ROLLOUT_NOT_FOUND"
+
+
+async def test_the_training_pages_watch_serves_a_reported_interruption(open_server: Served) -> None:
+    """What the Training page's WatchTraining call (connect+json, as connect-web sends it) gets for a step
+    that reported an interruption: the fields its Interruptions section shows."""
+    killed = RunInterruption(
+        time=1_700_000_000.5,
+        process="engine",
+        cause="exited with signal 9 (SIGKILL)",
+        recovery="restarted on the same port after 1.0 s back-off",
+        recovery_seconds=2.5,
+        step=7,
+    )
+    async with TrainerClient(open_server.server.address) as trainer:
+        await trainer.report_step(6, 6, {"reward_mean": 0.5}, run_id="page-run")
+        await trainer.report_step(7, 7, {"reward_mean": 0.5}, run_id="page-run", interruptions=[killed])
+    async with open_server.http.post(
+        f"{open_server.url}/lightning.v1.TrainerService/WatchTraining",
+        data=enveloped({"afterSequence": "0", "follow": False}),
+        headers={"Content-Type": "application/connect+json"},
+    ) as resp:
+        assert resp.status == 200
+        messages, end = await asyncio.wait_for(read_stream(resp), 10)
+    assert end == {}
+    assert [m["event"]["step"] for m in messages] == ["6", "7"]
+    assert "interruptions" not in messages[0]["event"]  # the page shows "none" for it
+    assert messages[1]["event"]["interruptions"] == [
+        {
+            "time": "2023-11-14T22:13:20.500Z",
+            "process": "engine",
+            "cause": "exited with signal 9 (SIGKILL)",
+            "recovery": "restarted on the same port after 1.0 s back-off",
+            "recoverySeconds": 2.5,
+            "step": "7",
+        }
+    ]
 
 
 async def test_a_stream_ends_when_the_server_drains(tmp_path: Path) -> None:

@@ -45,10 +45,12 @@ def make_batch(
     response_len: int = 5,
     long_group: int | None = 0,
     recorded: str = "some",
+    temperatures: bool = False,
 ) -> UpdateInput:
     """A batch shaped as TrainerService cuts it (left-padded prompts, right-padded responses, rollouts of
     one or two rows); ``long_group``: a group whose rows all take the full lengths (uneven by tokens);
-    ``recorded``: which rows carry the proxy's log-probs ("all", "some")."""
+    ``recorded``: which rows carry the proxy's log-probs ("all", "some"); ``temperatures``: each row's
+    recorded sampling temperature (0.7, 1.0 or 1.3, and one greedy row), else no such array."""
     rng = np.random.default_rng(seed)
     rows = []
     rollout = 0
@@ -86,6 +88,11 @@ def make_batch(
             a["has_rollout_log_probs"][i] = True
             a["rollout_log_probs"][i, :r] = -7.5 + rng.normal(0, 0.1, r)
         uid[i] = f"g{group}"
+    if temperatures:  # drawn apart, so that the rest of the batch is the same with or without them
+        a["temperatures"] = (
+            np.random.default_rng(seed + 100).choice([0.7, 1.0, 1.3], count).astype(np.float32)
+        )
+        a["temperatures"][-1] = 0.0
     return UpdateInput(a, uid)
 
 
@@ -148,7 +155,7 @@ CASES = {
     # the default: one optimiser step over the whole batch, old log-probs from its own forward pass
     "token-mean": (ppo.PPOConfig(), OptimConfig(lr=1e-2)),
     # mini-batches of one group (the rank without it runs a stand-in row), two epochs, recomputed
-    # old log-probs, entropy bonus, no clipping
+    # old log-probs, entropy bonus, no clipping; each row at its recorded sampling temperature
     "seq-mean-token-mean": (
         ppo.PPOConfig(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01),
         OptimConfig(lr=1e-2, mini_batch_rollouts=3, ppo_epochs=2, max_grad_norm=0.0),
@@ -168,10 +175,13 @@ def test_two_ranks_compute_the_update_of_one_process(
     torch.set_num_threads(1)
     ppo_config, optim = CASES[case]
     recorded = "all" if optim.old_log_probs == "rollout" else "some"
+    per_row = case == "seq-mean-token-mean"  # the batches carry each row's recorded temperature
     batches = [
-        make_batch(0, long_group=0, recorded=recorded),  # uneven by tokens: rank 0 takes the long group
-        make_batch(1, groups=1, long_group=None, recorded=recorded),  # one group: rank 1 has no rows
-        make_batch(2, long_group=3, recorded=recorded),
+        # uneven by tokens: rank 0 takes the long group
+        make_batch(0, long_group=0, recorded=recorded, temperatures=per_row),
+        # one group: rank 1 has no rows
+        make_batch(1, groups=1, long_group=None, recorded=recorded, temperatures=per_row),
+        make_batch(2, long_group=3, recorded=recorded, temperatures=per_row),
     ]
     one = Learner(tiny_model, ppo_config=ppo_config, optim=optim)
     two = DistributedLearner(tiny_model, ppo_config=ppo_config, optim=optim, ranks=2)

@@ -7,7 +7,7 @@
  * `Tensor`s (dtype, shape, little-endian bytes) for the caller to decode.
  */
 import { fromJson, type JsonObject, type JsonValue, type MessageInitShape } from "@bufbuild/protobuf";
-import { durationFromMs, ValueSchema } from "@bufbuild/protobuf/wkt";
+import { durationFromMs, timestampFromDate, timestampFromMs, ValueSchema } from "@bufbuild/protobuf/wkt";
 import type { Client, Transport } from "@connectrpc/connect";
 import { randomUUID } from "node:crypto";
 import { clientConfig, createTransport, DEFAULT_TARGET, ms, typedClient, type ClientConfig } from "./client.js";
@@ -20,16 +20,48 @@ import {
   type GetBatchResponse,
   type GetTrainerStatusResponse,
   type GetTripletsResponse,
+  type RunInterruption,
+  type RunInterruptionSchema,
   type TrainingEvent,
 } from "./gen/lightning/v1/trainer_service_pb.js";
 
-export type { BatchHeader, BatchRollout, GetBatchResponse, GetTripletsResponse, TrainingEvent };
+export type { BatchHeader, BatchRollout, GetBatchResponse, GetTripletsResponse, RunInterruption, TrainingEvent };
 /** What GetTrainerStatus answers: groups pending, ready and consumed per mode, drops, batches, the last step. */
 export type TrainerStatus = GetTrainerStatusResponse;
 /** What training makes of one rollout: its triplets, rows and everything left out, with reasons. */
 export type RolloutTripletReport = GetTripletsResponse;
 /** The batch options of the contract (padding, failure policy, aggregation, ...), as a message init. */
 export type BatchOptionsInit = MessageInitShape<typeof BatchOptionsSchema>;
+
+/**
+ * One interruption of a training run for reportStep: a process of the run that died, why, how the run
+ * recovered and how long that took (the contract's RunInterruption; times and durations in seconds).
+ */
+export interface RunInterruptionInit {
+  /** When it was noticed: a Date, or seconds since the Unix epoch (as Python's time.time()). */
+  time: Date | number;
+  /** Which process died: "server", "engine", "runners", "trainer", ... */
+  process: string;
+  /** Why, in words: e.g. "exited with signal 9 (SIGKILL)". */
+  cause?: string;
+  /** How the run recovered and what was redone: e.g. "restarted on the same port after 1.0 s back-off". */
+  recovery?: string;
+  /** How long the recovery took, in seconds. */
+  recoverySeconds?: number;
+  /** The training step during which it happened. */
+  step?: number | bigint;
+}
+
+function interruptionInit(i: RunInterruptionInit): MessageInitShape<typeof RunInterruptionSchema> {
+  return {
+    time: i.time instanceof Date ? timestampFromDate(i.time) : timestampFromMs(Math.round(i.time * 1000)),
+    process: i.process,
+    cause: i.cause ?? "",
+    recovery: i.recovery ?? "",
+    recoverySeconds: i.recoverySeconds ?? 0,
+    step: BigInt(i.step ?? 0),
+  };
+}
 
 /** One sample of submitGroups: a task input, with the group's id (chosen here when left out) and metadata. */
 export interface GroupSampleInit {
@@ -137,8 +169,23 @@ export class TrainerClient {
     };
   }
 
-  async reportStep(step: number, policyVersion: number, metrics: Record<string, number> = {}, options: { runId?: string } = {}): Promise<TrainingEvent> {
-    const res = await this.raw.reportStep({ runId: options.runId ?? "", step: BigInt(step), policyVersion: BigInt(policyVersion), metrics });
+  /**
+   * Report a finished step and the policy version it produced, with the run's interruptions recovered since
+   * its previous report. A resend with the same content (interruptions included) returns the stored event.
+   */
+  async reportStep(
+    step: number,
+    policyVersion: number,
+    metrics: Record<string, number> = {},
+    options: { runId?: string; interruptions?: RunInterruptionInit[] } = {},
+  ): Promise<TrainingEvent> {
+    const res = await this.raw.reportStep({
+      runId: options.runId ?? "",
+      step: BigInt(step),
+      policyVersion: BigInt(policyVersion),
+      metrics,
+      interruptions: (options.interruptions ?? []).map(interruptionInit),
+    });
     return res.event as TrainingEvent;
   }
 

@@ -54,6 +54,23 @@ describe("the Trainer and Proxy clients", () => {
     assert.equal((await trainer.status()).policyVersion, 2n);
   });
 
+  test("reportStep carries the run's interruptions; they come back through watchTraining", async () => {
+    const interruptions = [
+      { time: 1_700_000_000.5, process: "engine", cause: "exited with signal 9 (SIGKILL)", recovery: "restarted on the same port after 1.0 s back-off", recoverySeconds: 2.5, step: 3 },
+      { time: new Date(1_700_000_010_000), process: "trainer", recovery: "resumed from checkpoint step-000002", step: 3n },
+    ];
+    const event = await trainer.reportStep(3, 3, { loss: 0.1 }, { runId: "ts-interrupted", interruptions });
+    assert.deepEqual(
+      event.interruptions.map((i) => [i.process, i.cause, i.recoverySeconds, i.step, Number(i.time?.seconds)]),
+      [["engine", "exited with signal 9 (SIGKILL)", 2.5, 3n, 1_700_000_000], ["trainer", "", 0, 3n, 1_700_000_010]],
+    );
+    const again = await trainer.reportStep(3, 3, { loss: 0.1 }, { runId: "ts-interrupted", interruptions });
+    assert.equal(again.sequence, event.sequence, "a resend with the same interruptions is the stored event");
+    const seen = [];
+    for await (const e of trainer.watchTraining("ts-interrupted")) seen.push(e);
+    assert.deepEqual(seen.map((e) => e.interruptions.map((i) => i.recovery)), [["restarted on the same port after 1.0 s back-off", "resumed from checkpoint step-000002"]]);
+  });
+
   test("the proxy: backends set and listed, pause, resume, drain and status", async () => {
     const set = await proxy.setBackends([{ modelName: "policy", apiBase: "http://127.0.0.1:9/v1", apiKey: "k" }]);
     assert.deepEqual(set.map((b) => b.modelName), ["policy"]);

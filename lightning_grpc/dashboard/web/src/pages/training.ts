@@ -1,4 +1,7 @@
-/** Training: the runs and steps TrainerService was told of, with reward, KL, clip fraction and step time, live. */
+/**
+ * Training: the runs and steps TrainerService was told of, with reward, KL, clip fraction and step time, and
+ * the run's interruptions (a process that died, why, how the run recovered and how long it took), live.
+ */
 import { trainer, date } from "../api";
 import { h, fmt } from "../dom";
 import { LineChart } from "../chart";
@@ -19,11 +22,15 @@ export async function training(root: HTMLElement, signal: AbortSignal): Promise<
   const runsBox = h("div", { class: "runs" });
   const charts = h("div", { class: "charts" });
   const stepsBody = h("tbody");
+  const interruptionsBody = h("tbody");
+  const interruptionsTable = h("table", { class: "list interruptions", hidden: true }, h("thead", {}, h("tr", {}, ...["time", "step", "process", "cause", "recovery", "recovery s"].map((c) => h("th", {}, c)))), interruptionsBody);
+  const noInterruption = h("p", { class: "muted no-interruptions" }, "None: no process of this run was interrupted.");
   root.append(
     h("h1", {}, "Training"),
     status,
     runsBox,
     charts,
+    h("div", { class: "card wide", "data-section": "interruptions" }, h("h2", {}, "Interruptions"), noInterruption, interruptionsTable),
     h("div", { class: "card wide" }, h("h2", {}, "Steps"), h("table", { class: "list steps" }, h("thead", {}, h("tr", {}, ...["run", "step", "policy", "reward", "KL", "clip frac", "step s", "time"].map((c) => h("th", {}, c)))), stepsBody)),
   );
 
@@ -58,11 +65,34 @@ export async function training(root: HTMLElement, signal: AbortSignal): Promise<
     plots = new Map(CHARTS.map(([title, metric, color]) => [metric, new LineChart(title, metric, color)]));
     charts.replaceChildren(...[...plots.values()].map((p) => p.element));
     stepsBody.replaceChildren();
+    interruptionsBody.replaceChildren();
     for (const e of events) if (e.runId === run) plot(e);
     renderRuns();
   };
 
+  /** The event's interruptions, newest first above the earlier ones; "none" while the run has had none. */
+  const listInterruptions = (e: TrainingEvent) => {
+    for (const i of e.interruptions) {
+      interruptionsBody.prepend(
+        h(
+          "tr",
+          { "data-interruption": i.process, "data-step": String(i.step) },
+          h("td", { class: "muted" }, date(i.time)?.toLocaleString() ?? "–"),
+          h("td", { class: "num" }, String(i.step)),
+          h("td", {}, i.process),
+          h("td", { class: "small" }, i.cause || "–"),
+          h("td", { class: "small" }, i.recovery || "–"),
+          h("td", { class: "num" }, fmt(i.recoverySeconds, 1)),
+        ),
+      );
+    }
+    const any = interruptionsBody.childElementCount > 0;
+    interruptionsTable.hidden = !any;
+    noInterruption.hidden = any;
+  };
+
   const plot = (e: TrainingEvent) => {
+    listInterruptions(e);
     for (const [metric, chart] of plots) {
       const v = e.metrics[metric];
       if (v !== undefined) chart.add(Number(e.step), v);

@@ -14,7 +14,7 @@ import type { JsonObject, Message } from "@bufbuild/protobuf";
  * Describes the file lightning/v1/trainer_service.proto.
  */
 export const file_lightning_v1_trainer_service: GenFile = /*@__PURE__*/
-  fileDesc("CiJsaWdodG5pbmcvdjEvdHJhaW5lcl9zZXJ2aWNlLnByb3RvEgxsaWdodG5pbmcudjEiSQoGVGVuc29yEiIKBWR0eXBlGAEgASgOMhMubGlnaHRuaW5nLnYxLkRUeXBlEg0KBXNoYXBlGAIgAygDEgwKBGRhdGEYAyABKAwiqAQKDEJhdGNoT3B0aW9ucxIuCgthZ2dyZWdhdGlvbhgBIAEoDjIZLmxpZ2h0bmluZy52MS5BZ2dyZWdhdGlvbhIvCgxyZXdhcmRfbWF0Y2gYAiABKA4yGS5saWdodG5pbmcudjEuUmV3YXJkTWF0Y2gSGAoQcmV3YXJkX2RpbWVuc2lvbhgDIAEoCRITCgthZ2VudF9tYXRjaBgEIAEoCRIzCg5mYWlsdXJlX3BvbGljeRgFIAEoDjIbLmxpZ2h0bmluZy52MS5GYWlsdXJlUG9saWN5EhMKC2ZpbGxfcmV3YXJkGAYgASgBEh8KEm1pbl9wb2xpY3lfdmVyc2lvbhgHIAEoA0gAiAEBEhQKDHBhZF90b2tlbl9pZBgIIAEoBRIZChFtYXhfcHJvbXB0X2xlbmd0aBgJIAEoBRIbChNtYXhfcmVzcG9uc2VfbGVuZ3RoGAogASgFEjUKD3Byb21wdF9vdmVyZmxvdxgLIAEoDjIcLmxpZ2h0bmluZy52MS5Qcm9tcHRPdmVyZmxvdxIpCgZsYXlvdXQYDCABKA4yGS5saWdodG5pbmcudjEuQmF0Y2hMYXlvdXQSFwoPbWF4X2NodW5rX2J5dGVzGA0gASgFEhkKEWV4Y2x1ZGVfbG9nX3Byb2JzGA4gASgIEiIKGmluY2x1ZGVfY2FsbHNfdW5kZXJfcmV3YXJkGA8gASgIQhUKE19taW5fcG9saWN5X3ZlcnNpb24icQoLR3JvdXBTYW1wbGUSEAoIZ3JvdXBfaWQYASABKAkSJQoFaW5wdXQYAiABKAsyFi5nb29nbGUucHJvdG9idWYuVmFsdWUSKQoIbWV0YWRhdGEYAyABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0Is8BChNTdWJtaXRHcm91cHNSZXF1ZXN0EioKB3NhbXBsZXMYASADKAsyGS5saWdodG5pbmcudjEuR3JvdXBTYW1wbGUSEgoKZ3JvdXBfc2l6ZRgCIAEoBRInCgRtb2RlGAMgASgOMhkubGlnaHRuaW5nLnYxLlJvbGxvdXRNb2RlEhQKDHJlc291cmNlc19pZBgEIAEoCRIrCgZjb25maWcYBSABKAsyGy5saWdodG5pbmcudjEuUm9sbG91dENvbmZpZxIMCgRzdGVwGAYgASgDIjcKDlN1Ym1pdHRlZEdyb3VwEhAKCGdyb3VwX2lkGAEgASgJEhMKC3JvbGxvdXRfaWRzGAIgAygJIkQKFFN1Ym1pdEdyb3Vwc1Jlc3BvbnNlEiwKBmdyb3VwcxgBIAMoCzIcLmxpZ2h0bmluZy52MS5TdWJtaXR0ZWRHcm91cCLMAQoPR2V0QmF0Y2hSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSJwoEbW9kZRgCIAEoDjIZLmxpZ2h0bmluZy52MS5Sb2xsb3V0TW9kZRISCgptaW5fZ3JvdXBzGAMgASgFEhIKCm1heF9ncm91cHMYBCABKAUSJwoEd2FpdBgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIrCgdvcHRpb25zGAYgASgLMhoubGlnaHRuaW5nLnYxLkJhdGNoT3B0aW9ucyKoAQoMQmF0Y2hSb2xsb3V0EhIKCnJvbGxvdXRfaWQYASABKAkSEgoKYXR0ZW1wdF9pZBgCIAEoCRIQCghncm91cF9pZBgDIAEoCRIrCgZzdGF0dXMYBCABKA4yGy5saWdodG5pbmcudjEuUm9sbG91dFN0YXR1cxIOCgZyZXdhcmQYBSABKAESDgoGZmlsbGVkGAYgASgIEhEKCXJvd19jb3VudBgHIAEoBSKfAQoIQmF0Y2hSb3cSFQoNcm9sbG91dF9pbmRleBgBIAEoBRISCgp0dXJuX2luZGV4GAIgASgFEhcKD3BvbGljeV92ZXJzaW9ucxgDIAMoAxIRCgl0cnVuY2F0ZWQYBCABKAgSDgoGZmlsbGVkGAUgASgIEhUKDWhhc19sb2dfcHJvYnMYBiABKAgSFQoNY2FsbF9zcGFuX2lkcxgHIAMoCSIsCgtSZWFzb25Db3VudBIOCgZyZWFzb24YASABKAkSDQoFY291bnQYAiABKAMipQMKC0JhdGNoSGVhZGVyEhAKCGJhdGNoX2lkGAEgASgJEhEKCWdyb3VwX2lkcxgCIAMoCRIsCghyb2xsb3V0cxgDIAMoCzIaLmxpZ2h0bmluZy52MS5CYXRjaFJvbGxvdXQSEQoJcm93X2NvdW50GAQgASgFEhUKDXByb21wdF9sZW5ndGgYBSABKAUSFwoPcmVzcG9uc2VfbGVuZ3RoGAYgASgFEhsKE2NhcnJpZWRfb3Zlcl9ncm91cHMYByABKAUSGgoSY2xvc2VkX2J5X2RlYWRsaW5lGAggASgIEigKBWRyb3BzGAkgAygLMhkubGlnaHRuaW5nLnYxLlJlYXNvbkNvdW50EhkKEXRyYWplY3RvcnlfYnJlYWtzGAogASgFEikKBmxheW91dBgLIAEoDjIZLmxpZ2h0bmluZy52MS5CYXRjaExheW91dBIUCgxwYWRfdG9rZW5faWQYDCABKAUSEwoLY2h1bmtfY291bnQYDSABKAUSLAoJZmFsbGJhY2tzGA4gAygLMhkubGlnaHRuaW5nLnYxLlJlYXNvbkNvdW50IpYCChBHZXRCYXRjaFJlc3BvbnNlEikKBmhlYWRlchgBIAEoCzIZLmxpZ2h0bmluZy52MS5CYXRjaEhlYWRlchISCgpyb3dfb2Zmc2V0GAIgASgFEjwKB3RlbnNvcnMYBCADKAsyKy5saWdodG5pbmcudjEuR2V0QmF0Y2hSZXNwb25zZS5UZW5zb3JzRW50cnkSFQoNY2FsbF9zcGFuX2lkcxgFIAMoCRIcChRjYWxsX3BvbGljeV92ZXJzaW9ucxgGIAMoAxpECgxUZW5zb3JzRW50cnkSCwoDa2V5GAEgASgJEiMKBXZhbHVlGAIgASgLMhQubGlnaHRuaW5nLnYxLlRlbnNvcjoCOAFKBAgDEARSBHJvd3MiuAEKEVJlcG9ydFN0ZXBSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIMCgRzdGVwGAIgASgDEhYKDnBvbGljeV92ZXJzaW9uGAMgASgDEj0KB21ldHJpY3MYBCADKAsyLC5saWdodG5pbmcudjEuUmVwb3J0U3RlcFJlcXVlc3QuTWV0cmljc0VudHJ5Gi4KDE1ldHJpY3NFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAE6AjgBIuwBCg1UcmFpbmluZ0V2ZW50EhAKCHNlcXVlbmNlGAEgASgDEg4KBnJ1bl9pZBgCIAEoCRIMCgRzdGVwGAMgASgDEhYKDnBvbGljeV92ZXJzaW9uGAQgASgDEjkKB21ldHJpY3MYBSADKAsyKC5saWdodG5pbmcudjEuVHJhaW5pbmdFdmVudC5NZXRyaWNzRW50cnkSKAoEdGltZRgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAaLgoMTWV0cmljc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoAToCOAEiQAoSUmVwb3J0U3RlcFJlc3BvbnNlEioKBWV2ZW50GAEgASgLMhsubGlnaHRuaW5nLnYxLlRyYWluaW5nRXZlbnQiTgoUV2F0Y2hUcmFpbmluZ1JlcXVlc3QSDgoGcnVuX2lkGAEgASgJEhYKDmFmdGVyX3NlcXVlbmNlGAIgASgDEg4KBmZvbGxvdxgDIAEoCCJDChVXYXRjaFRyYWluaW5nUmVzcG9uc2USKgoFZXZlbnQYASABKAsyGy5saWdodG5pbmcudjEuVHJhaW5pbmdFdmVudCIZChdHZXRUcmFpbmVyU3RhdHVzUmVxdWVzdCJ+CgtHcm91cENvdW50cxInCgRtb2RlGAEgASgOMhkubGlnaHRuaW5nLnYxLlJvbGxvdXRNb2RlEg8KB3BlbmRpbmcYAiABKAUSDQoFcmVhZHkYAyABKAUSFAoMY2FycmllZF9vdmVyGAQgASgFEhAKCGNvbnN1bWVkGAUgASgFIoUCChhHZXRUcmFpbmVyU3RhdHVzUmVzcG9uc2USKQoGZ3JvdXBzGAEgAygLMhkubGlnaHRuaW5nLnYxLkdyb3VwQ291bnRzEigKBWRyb3BzGAIgAygLMhkubGlnaHRuaW5nLnYxLlJlYXNvbkNvdW50Eg8KB2JhdGNoZXMYAyABKAMSDAoEcm93cxgEIAEoAxIWCg5wb2xpY3lfdmVyc2lvbhgFIAEoAxIvCgpsYXN0X2V2ZW50GAYgASgLMhsubGlnaHRuaW5nLnYxLlRyYWluaW5nRXZlbnQSLAoJZmFsbGJhY2tzGAcgAygLMhkubGlnaHRuaW5nLnYxLlJlYXNvbkNvdW50IlUKEkdldFRyaXBsZXRzUmVxdWVzdBISCgpyb2xsb3V0X2lkGAEgASgJEisKB29wdGlvbnMYAiABKAsyGi5saWdodG5pbmcudjEuQmF0Y2hPcHRpb25zIp4CCgdUcmlwbGV0EhIKCnByb21wdF9pZHMYASADKAMSFAoMcmVzcG9uc2VfaWRzGAIgAygDEhEKCWxvZ19wcm9icxgDIAMoARITCgZyZXdhcmQYBCABKAFIAIgBARIPCgdzcGFuX2lkGAUgASgJEhMKC3Jlc3BvbnNlX2lkGAYgASgJEg0KBW1vZGVsGAcgASgJEhYKDnBvbGljeV92ZXJzaW9uGAggASgDEhIKCmNhbGxfaW5kZXgYCSABKAUSEgoKYWdlbnRfbmFtZRgKIAEoCRIVCg1maW5pc2hfcmVhc29uGAsgASgJEhAKCHN0cmVhbWVkGAwgASgIEhgKEGZvcmNlZF9wb3NpdGlvbnMYDSADKAVCCQoHX3Jld2FyZCJLCgREcm9wEg4KBnJlYXNvbhgBIAEoCRIPCgdzcGFuX2lkGAIgASgJEhIKCmNhbGxfaW5kZXgYAyABKAUSDgoGZGV0YWlsGAQgASgJIqABChNBZ2dyZWdhdGlvbkZhbGxiYWNrEg4KBnJlYXNvbhgBIAEoCRISCgpjYWxsX2luZGV4GAIgASgFEg8KB3NwYW5faWQYAyABKAkSEAoIcG9zaXRpb24YBCABKAUSGQoRZXhwZWN0ZWRfdG9rZW5faWQYBSABKAMSFwoPYWN0dWFsX3Rva2VuX2lkGAYgASgDEg4KBmRldGFpbBgHIAEoCSKkAwoTR2V0VHJpcGxldHNSZXNwb25zZRISCgpyb2xsb3V0X2lkGAEgASgJEhIKCmF0dGVtcHRfaWQYAiABKAkSKwoGc3RhdHVzGAMgASgOMhsubGlnaHRuaW5nLnYxLlJvbGxvdXRTdGF0dXMSEwoGcmV3YXJkGAQgASgBSACIAQESJwoIdHJpcGxldHMYBSADKAsyFS5saWdodG5pbmcudjEuVHJpcGxldBIhCgVkcm9wcxgGIAMoCzISLmxpZ2h0bmluZy52MS5Ecm9wEiQKBHJvd3MYByADKAsyFi5saWdodG5pbmcudjEuQmF0Y2hSb3cSGgoScm93X3Byb21wdF9sZW5ndGhzGAggAygFEhwKFHJvd19yZXNwb25zZV9sZW5ndGhzGAkgAygFEhwKFHJvd190cmFpbmFibGVfdG9rZW5zGAogAygFEg0KBWNhbGxzGAsgASgFEj8KFGFnZ3JlZ2F0aW9uX2ZhbGxiYWNrGAwgASgLMiEubGlnaHRuaW5nLnYxLkFnZ3JlZ2F0aW9uRmFsbGJhY2tCCQoHX3Jld2FyZCqhAQoFRFR5cGUSFgoSRF9UWVBFX1VOU1BFQ0lGSUVEEAASDwoLRF9UWVBFX0JPT0wQARIQCgxEX1RZUEVfVUlOVDgQAhIRCg1EX1RZUEVfVUlOVDE2EAMSEAoMRF9UWVBFX0lOVDMyEAQSEAoMRF9UWVBFX0lOVDY0EAUSEgoORF9UWVBFX0ZMT0FUMzIQBhISCg5EX1RZUEVfRkxPQVQ2NBAHKmIKC0FnZ3JlZ2F0aW9uEhsKF0FHR1JFR0FUSU9OX1VOU1BFQ0lGSUVEEAASGgoWQUdHUkVHQVRJT05fVFJBTlNJVElPThABEhoKFkFHR1JFR0FUSU9OX1RSQUpFQ1RPUlkQAiqGAQoLUmV3YXJkTWF0Y2gSHAoYUkVXQVJEX01BVENIX1VOU1BFQ0lGSUVEEAASFgoSUkVXQVJEX01BVENIX0ZJTkFMEAESIQodUkVXQVJEX01BVENIX0ZJUlNUX09DQ1VSUkVOQ0UQAhIeChpSRVdBUkRfTUFUQ0hfRklSU1RfU0lCTElORxADKogBCg1GYWlsdXJlUG9saWN5Eh4KGkZBSUxVUkVfUE9MSUNZX1VOU1BFQ0lGSUVEEAASHQoZRkFJTFVSRV9QT0xJQ1lfRFJPUF9HUk9VUBABEh8KG0ZBSUxVUkVfUE9MSUNZX0RST1BfUk9MTE9VVBACEhcKE0ZBSUxVUkVfUE9MSUNZX0ZJTEwQAypuCg5Qcm9tcHRPdmVyZmxvdxIfChtQUk9NUFRfT1ZFUkZMT1dfVU5TUEVDSUZJRUQQABIYChRQUk9NUFRfT1ZFUkZMT1dfRFJPUBABEiEKHVBST01QVF9PVkVSRkxPV19UUlVOQ0FURV9MRUZUEAIqXQoLQmF0Y2hMYXlvdXQSHAoYQkFUQ0hfTEFZT1VUX1VOU1BFQ0lGSUVEEAASFwoTQkFUQ0hfTEFZT1VUX1JBR0dFRBABEhcKE0JBVENIX0xBWU9VVF9QQURERUQQAjKxBAoOVHJhaW5lclNlcnZpY2USWgoMU3VibWl0R3JvdXBzEiEubGlnaHRuaW5nLnYxLlN1Ym1pdEdyb3Vwc1JlcXVlc3QaIi5saWdodG5pbmcudjEuU3VibWl0R3JvdXBzUmVzcG9uc2UiA5ACAhJQCghHZXRCYXRjaBIdLmxpZ2h0bmluZy52MS5HZXRCYXRjaFJlcXVlc3QaHi5saWdodG5pbmcudjEuR2V0QmF0Y2hSZXNwb25zZSIDkAICMAESVAoKUmVwb3J0U3RlcBIfLmxpZ2h0bmluZy52MS5SZXBvcnRTdGVwUmVxdWVzdBogLmxpZ2h0bmluZy52MS5SZXBvcnRTdGVwUmVzcG9uc2UiA5ACAhJaCg1XYXRjaFRyYWluaW5nEiIubGlnaHRuaW5nLnYxLldhdGNoVHJhaW5pbmdSZXF1ZXN0GiMubGlnaHRuaW5nLnYxLldhdGNoVHJhaW5pbmdSZXNwb25zZTABEmYKEEdldFRyYWluZXJTdGF0dXMSJS5saWdodG5pbmcudjEuR2V0VHJhaW5lclN0YXR1c1JlcXVlc3QaJi5saWdodG5pbmcudjEuR2V0VHJhaW5lclN0YXR1c1Jlc3BvbnNlIgOQAgESVwoLR2V0VHJpcGxldHMSIC5saWdodG5pbmcudjEuR2V0VHJpcGxldHNSZXF1ZXN0GiEubGlnaHRuaW5nLnYxLkdldFRyaXBsZXRzUmVzcG9uc2UiA5ACAWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_struct, file_google_protobuf_timestamp, file_lightning_v1_rollout]);
+  fileDesc("CiJsaWdodG5pbmcvdjEvdHJhaW5lcl9zZXJ2aWNlLnByb3RvEgxsaWdodG5pbmcudjEiSQoGVGVuc29yEiIKBWR0eXBlGAEgASgOMhMubGlnaHRuaW5nLnYxLkRUeXBlEg0KBXNoYXBlGAIgAygDEgwKBGRhdGEYAyABKAwiqAQKDEJhdGNoT3B0aW9ucxIuCgthZ2dyZWdhdGlvbhgBIAEoDjIZLmxpZ2h0bmluZy52MS5BZ2dyZWdhdGlvbhIvCgxyZXdhcmRfbWF0Y2gYAiABKA4yGS5saWdodG5pbmcudjEuUmV3YXJkTWF0Y2gSGAoQcmV3YXJkX2RpbWVuc2lvbhgDIAEoCRITCgthZ2VudF9tYXRjaBgEIAEoCRIzCg5mYWlsdXJlX3BvbGljeRgFIAEoDjIbLmxpZ2h0bmluZy52MS5GYWlsdXJlUG9saWN5EhMKC2ZpbGxfcmV3YXJkGAYgASgBEh8KEm1pbl9wb2xpY3lfdmVyc2lvbhgHIAEoA0gAiAEBEhQKDHBhZF90b2tlbl9pZBgIIAEoBRIZChFtYXhfcHJvbXB0X2xlbmd0aBgJIAEoBRIbChNtYXhfcmVzcG9uc2VfbGVuZ3RoGAogASgFEjUKD3Byb21wdF9vdmVyZmxvdxgLIAEoDjIcLmxpZ2h0bmluZy52MS5Qcm9tcHRPdmVyZmxvdxIpCgZsYXlvdXQYDCABKA4yGS5saWdodG5pbmcudjEuQmF0Y2hMYXlvdXQSFwoPbWF4X2NodW5rX2J5dGVzGA0gASgFEhkKEWV4Y2x1ZGVfbG9nX3Byb2JzGA4gASgIEiIKGmluY2x1ZGVfY2FsbHNfdW5kZXJfcmV3YXJkGA8gASgIQhUKE19taW5fcG9saWN5X3ZlcnNpb24icQoLR3JvdXBTYW1wbGUSEAoIZ3JvdXBfaWQYASABKAkSJQoFaW5wdXQYAiABKAsyFi5nb29nbGUucHJvdG9idWYuVmFsdWUSKQoIbWV0YWRhdGEYAyABKAsyFy5nb29nbGUucHJvdG9idWYuU3RydWN0Is8BChNTdWJtaXRHcm91cHNSZXF1ZXN0EioKB3NhbXBsZXMYASADKAsyGS5saWdodG5pbmcudjEuR3JvdXBTYW1wbGUSEgoKZ3JvdXBfc2l6ZRgCIAEoBRInCgRtb2RlGAMgASgOMhkubGlnaHRuaW5nLnYxLlJvbGxvdXRNb2RlEhQKDHJlc291cmNlc19pZBgEIAEoCRIrCgZjb25maWcYBSABKAsyGy5saWdodG5pbmcudjEuUm9sbG91dENvbmZpZxIMCgRzdGVwGAYgASgDIjcKDlN1Ym1pdHRlZEdyb3VwEhAKCGdyb3VwX2lkGAEgASgJEhMKC3JvbGxvdXRfaWRzGAIgAygJIkQKFFN1Ym1pdEdyb3Vwc1Jlc3BvbnNlEiwKBmdyb3VwcxgBIAMoCzIcLmxpZ2h0bmluZy52MS5TdWJtaXR0ZWRHcm91cCLMAQoPR2V0QmF0Y2hSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSJwoEbW9kZRgCIAEoDjIZLmxpZ2h0bmluZy52MS5Sb2xsb3V0TW9kZRISCgptaW5fZ3JvdXBzGAMgASgFEhIKCm1heF9ncm91cHMYBCABKAUSJwoEd2FpdBgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIrCgdvcHRpb25zGAYgASgLMhoubGlnaHRuaW5nLnYxLkJhdGNoT3B0aW9ucyKoAQoMQmF0Y2hSb2xsb3V0EhIKCnJvbGxvdXRfaWQYASABKAkSEgoKYXR0ZW1wdF9pZBgCIAEoCRIQCghncm91cF9pZBgDIAEoCRIrCgZzdGF0dXMYBCABKA4yGy5saWdodG5pbmcudjEuUm9sbG91dFN0YXR1cxIOCgZyZXdhcmQYBSABKAESDgoGZmlsbGVkGAYgASgIEhEKCXJvd19jb3VudBgHIAEoBSKfAQoIQmF0Y2hSb3cSFQoNcm9sbG91dF9pbmRleBgBIAEoBRISCgp0dXJuX2luZGV4GAIgASgFEhcKD3BvbGljeV92ZXJzaW9ucxgDIAMoAxIRCgl0cnVuY2F0ZWQYBCABKAgSDgoGZmlsbGVkGAUgASgIEhUKDWhhc19sb2dfcHJvYnMYBiABKAgSFQoNY2FsbF9zcGFuX2lkcxgHIAMoCSIsCgtSZWFzb25Db3VudBIOCgZyZWFzb24YASABKAkSDQoFY291bnQYAiABKAMipQMKC0JhdGNoSGVhZGVyEhAKCGJhdGNoX2lkGAEgASgJEhEKCWdyb3VwX2lkcxgCIAMoCRIsCghyb2xsb3V0cxgDIAMoCzIaLmxpZ2h0bmluZy52MS5CYXRjaFJvbGxvdXQSEQoJcm93X2NvdW50GAQgASgFEhUKDXByb21wdF9sZW5ndGgYBSABKAUSFwoPcmVzcG9uc2VfbGVuZ3RoGAYgASgFEhsKE2NhcnJpZWRfb3Zlcl9ncm91cHMYByABKAUSGgoSY2xvc2VkX2J5X2RlYWRsaW5lGAggASgIEigKBWRyb3BzGAkgAygLMhkubGlnaHRuaW5nLnYxLlJlYXNvbkNvdW50EhkKEXRyYWplY3RvcnlfYnJlYWtzGAogASgFEikKBmxheW91dBgLIAEoDjIZLmxpZ2h0bmluZy52MS5CYXRjaExheW91dBIUCgxwYWRfdG9rZW5faWQYDCABKAUSEwoLY2h1bmtfY291bnQYDSABKAUSLAoJZmFsbGJhY2tzGA4gAygLMhkubGlnaHRuaW5nLnYxLlJlYXNvbkNvdW50IpYCChBHZXRCYXRjaFJlc3BvbnNlEikKBmhlYWRlchgBIAEoCzIZLmxpZ2h0bmluZy52MS5CYXRjaEhlYWRlchISCgpyb3dfb2Zmc2V0GAIgASgFEjwKB3RlbnNvcnMYBCADKAsyKy5saWdodG5pbmcudjEuR2V0QmF0Y2hSZXNwb25zZS5UZW5zb3JzRW50cnkSFQoNY2FsbF9zcGFuX2lkcxgFIAMoCRIcChRjYWxsX3BvbGljeV92ZXJzaW9ucxgGIAMoAxpECgxUZW5zb3JzRW50cnkSCwoDa2V5GAEgASgJEiMKBXZhbHVlGAIgASgLMhQubGlnaHRuaW5nLnYxLlRlbnNvcjoCOAFKBAgDEARSBHJvd3Mi7gEKEVJlcG9ydFN0ZXBSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIMCgRzdGVwGAIgASgDEhYKDnBvbGljeV92ZXJzaW9uGAMgASgDEj0KB21ldHJpY3MYBCADKAsyLC5saWdodG5pbmcudjEuUmVwb3J0U3RlcFJlcXVlc3QuTWV0cmljc0VudHJ5EjQKDWludGVycnVwdGlvbnMYBSADKAsyHS5saWdodG5pbmcudjEuUnVuSW50ZXJydXB0aW9uGi4KDE1ldHJpY3NFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAE6AjgBIpUBCg9SdW5JbnRlcnJ1cHRpb24SKAoEdGltZRgBIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDwoHcHJvY2VzcxgCIAEoCRINCgVjYXVzZRgDIAEoCRIQCghyZWNvdmVyeRgEIAEoCRIYChByZWNvdmVyeV9zZWNvbmRzGAUgASgBEgwKBHN0ZXAYBiABKAMiogIKDVRyYWluaW5nRXZlbnQSEAoIc2VxdWVuY2UYASABKAMSDgoGcnVuX2lkGAIgASgJEgwKBHN0ZXAYAyABKAMSFgoOcG9saWN5X3ZlcnNpb24YBCABKAMSOQoHbWV0cmljcxgFIAMoCzIoLmxpZ2h0bmluZy52MS5UcmFpbmluZ0V2ZW50Lk1ldHJpY3NFbnRyeRIoCgR0aW1lGAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBI0Cg1pbnRlcnJ1cHRpb25zGAcgAygLMh0ubGlnaHRuaW5nLnYxLlJ1bkludGVycnVwdGlvbhouCgxNZXRyaWNzRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgBOgI4ASJAChJSZXBvcnRTdGVwUmVzcG9uc2USKgoFZXZlbnQYASABKAsyGy5saWdodG5pbmcudjEuVHJhaW5pbmdFdmVudCJOChRXYXRjaFRyYWluaW5nUmVxdWVzdBIOCgZydW5faWQYASABKAkSFgoOYWZ0ZXJfc2VxdWVuY2UYAiABKAMSDgoGZm9sbG93GAMgASgIIkMKFVdhdGNoVHJhaW5pbmdSZXNwb25zZRIqCgVldmVudBgBIAEoCzIbLmxpZ2h0bmluZy52MS5UcmFpbmluZ0V2ZW50IhkKF0dldFRyYWluZXJTdGF0dXNSZXF1ZXN0In4KC0dyb3VwQ291bnRzEicKBG1vZGUYASABKA4yGS5saWdodG5pbmcudjEuUm9sbG91dE1vZGUSDwoHcGVuZGluZxgCIAEoBRINCgVyZWFkeRgDIAEoBRIUCgxjYXJyaWVkX292ZXIYBCABKAUSEAoIY29uc3VtZWQYBSABKAUihQIKGEdldFRyYWluZXJTdGF0dXNSZXNwb25zZRIpCgZncm91cHMYASADKAsyGS5saWdodG5pbmcudjEuR3JvdXBDb3VudHMSKAoFZHJvcHMYAiADKAsyGS5saWdodG5pbmcudjEuUmVhc29uQ291bnQSDwoHYmF0Y2hlcxgDIAEoAxIMCgRyb3dzGAQgASgDEhYKDnBvbGljeV92ZXJzaW9uGAUgASgDEi8KCmxhc3RfZXZlbnQYBiABKAsyGy5saWdodG5pbmcudjEuVHJhaW5pbmdFdmVudBIsCglmYWxsYmFja3MYByADKAsyGS5saWdodG5pbmcudjEuUmVhc29uQ291bnQiVQoSR2V0VHJpcGxldHNSZXF1ZXN0EhIKCnJvbGxvdXRfaWQYASABKAkSKwoHb3B0aW9ucxgCIAEoCzIaLmxpZ2h0bmluZy52MS5CYXRjaE9wdGlvbnMi5gIKB1RyaXBsZXQSEgoKcHJvbXB0X2lkcxgBIAMoAxIUCgxyZXNwb25zZV9pZHMYAiADKAMSEQoJbG9nX3Byb2JzGAMgAygBEhMKBnJld2FyZBgEIAEoAUgAiAEBEg8KB3NwYW5faWQYBSABKAkSEwoLcmVzcG9uc2VfaWQYBiABKAkSDQoFbW9kZWwYByABKAkSFgoOcG9saWN5X3ZlcnNpb24YCCABKAMSEgoKY2FsbF9pbmRleBgJIAEoBRISCgphZ2VudF9uYW1lGAogASgJEhUKDWZpbmlzaF9yZWFzb24YCyABKAkSEAoIc3RyZWFtZWQYDCABKAgSGAoQZm9yY2VkX3Bvc2l0aW9ucxgNIAMoBRIYCgt0ZW1wZXJhdHVyZRgOIAEoAUgBiAEBEhIKBXRvcF9wGA8gASgBSAKIAQFCCQoHX3Jld2FyZEIOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wIksKBERyb3ASDgoGcmVhc29uGAEgASgJEg8KB3NwYW5faWQYAiABKAkSEgoKY2FsbF9pbmRleBgDIAEoBRIOCgZkZXRhaWwYBCABKAkioAEKE0FnZ3JlZ2F0aW9uRmFsbGJhY2sSDgoGcmVhc29uGAEgASgJEhIKCmNhbGxfaW5kZXgYAiABKAUSDwoHc3Bhbl9pZBgDIAEoCRIQCghwb3NpdGlvbhgEIAEoBRIZChFleHBlY3RlZF90b2tlbl9pZBgFIAEoAxIXCg9hY3R1YWxfdG9rZW5faWQYBiABKAMSDgoGZGV0YWlsGAcgASgJIqQDChNHZXRUcmlwbGV0c1Jlc3BvbnNlEhIKCnJvbGxvdXRfaWQYASABKAkSEgoKYXR0ZW1wdF9pZBgCIAEoCRIrCgZzdGF0dXMYAyABKA4yGy5saWdodG5pbmcudjEuUm9sbG91dFN0YXR1cxITCgZyZXdhcmQYBCABKAFIAIgBARInCgh0cmlwbGV0cxgFIAMoCzIVLmxpZ2h0bmluZy52MS5UcmlwbGV0EiEKBWRyb3BzGAYgAygLMhIubGlnaHRuaW5nLnYxLkRyb3ASJAoEcm93cxgHIAMoCzIWLmxpZ2h0bmluZy52MS5CYXRjaFJvdxIaChJyb3dfcHJvbXB0X2xlbmd0aHMYCCADKAUSHAoUcm93X3Jlc3BvbnNlX2xlbmd0aHMYCSADKAUSHAoUcm93X3RyYWluYWJsZV90b2tlbnMYCiADKAUSDQoFY2FsbHMYCyABKAUSPwoUYWdncmVnYXRpb25fZmFsbGJhY2sYDCABKAsyIS5saWdodG5pbmcudjEuQWdncmVnYXRpb25GYWxsYmFja0IJCgdfcmV3YXJkKqEBCgVEVHlwZRIWChJEX1RZUEVfVU5TUEVDSUZJRUQQABIPCgtEX1RZUEVfQk9PTBABEhAKDERfVFlQRV9VSU5UOBACEhEKDURfVFlQRV9VSU5UMTYQAxIQCgxEX1RZUEVfSU5UMzIQBBIQCgxEX1RZUEVfSU5UNjQQBRISCg5EX1RZUEVfRkxPQVQzMhAGEhIKDkRfVFlQRV9GTE9BVDY0EAcqYgoLQWdncmVnYXRpb24SGwoXQUdHUkVHQVRJT05fVU5TUEVDSUZJRUQQABIaChZBR0dSRUdBVElPTl9UUkFOU0lUSU9OEAESGgoWQUdHUkVHQVRJT05fVFJBSkVDVE9SWRACKoYBCgtSZXdhcmRNYXRjaBIcChhSRVdBUkRfTUFUQ0hfVU5TUEVDSUZJRUQQABIWChJSRVdBUkRfTUFUQ0hfRklOQUwQARIhCh1SRVdBUkRfTUFUQ0hfRklSU1RfT0NDVVJSRU5DRRACEh4KGlJFV0FSRF9NQVRDSF9GSVJTVF9TSUJMSU5HEAMqiAEKDUZhaWx1cmVQb2xpY3kSHgoaRkFJTFVSRV9QT0xJQ1lfVU5TUEVDSUZJRUQQABIdChlGQUlMVVJFX1BPTElDWV9EUk9QX0dST1VQEAESHwobRkFJTFVSRV9QT0xJQ1lfRFJPUF9ST0xMT1VUEAISFwoTRkFJTFVSRV9QT0xJQ1lfRklMTBADKm4KDlByb21wdE92ZXJmbG93Eh8KG1BST01QVF9PVkVSRkxPV19VTlNQRUNJRklFRBAAEhgKFFBST01QVF9PVkVSRkxPV19EUk9QEAESIQodUFJPTVBUX09WRVJGTE9XX1RSVU5DQVRFX0xFRlQQAipdCgtCYXRjaExheW91dBIcChhCQVRDSF9MQVlPVVRfVU5TUEVDSUZJRUQQABIXChNCQVRDSF9MQVlPVVRfUkFHR0VEEAESFwoTQkFUQ0hfTEFZT1VUX1BBRERFRBACMrEECg5UcmFpbmVyU2VydmljZRJaCgxTdWJtaXRHcm91cHMSIS5saWdodG5pbmcudjEuU3VibWl0R3JvdXBzUmVxdWVzdBoiLmxpZ2h0bmluZy52MS5TdWJtaXRHcm91cHNSZXNwb25zZSIDkAICElAKCEdldEJhdGNoEh0ubGlnaHRuaW5nLnYxLkdldEJhdGNoUmVxdWVzdBoeLmxpZ2h0bmluZy52MS5HZXRCYXRjaFJlc3BvbnNlIgOQAgIwARJUCgpSZXBvcnRTdGVwEh8ubGlnaHRuaW5nLnYxLlJlcG9ydFN0ZXBSZXF1ZXN0GiAubGlnaHRuaW5nLnYxLlJlcG9ydFN0ZXBSZXNwb25zZSIDkAICEloKDVdhdGNoVHJhaW5pbmcSIi5saWdodG5pbmcudjEuV2F0Y2hUcmFpbmluZ1JlcXVlc3QaIy5saWdodG5pbmcudjEuV2F0Y2hUcmFpbmluZ1Jlc3BvbnNlMAESZgoQR2V0VHJhaW5lclN0YXR1cxIlLmxpZ2h0bmluZy52MS5HZXRUcmFpbmVyU3RhdHVzUmVxdWVzdBomLmxpZ2h0bmluZy52MS5HZXRUcmFpbmVyU3RhdHVzUmVzcG9uc2UiA5ACARJXCgtHZXRUcmlwbGV0cxIgLmxpZ2h0bmluZy52MS5HZXRUcmlwbGV0c1JlcXVlc3QaIS5saWdodG5pbmcudjEuR2V0VHJpcGxldHNSZXNwb25zZSIDkAIBYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_struct, file_google_protobuf_timestamp, file_lightning_v1_rollout]);
 
 /**
  * A dense numeric array: row-major little-endian bytes (numpy.frombuffer(data, dtype).reshape(shape)).
@@ -635,6 +635,14 @@ export type ReportStepRequest = Message<"lightning.v1.ReportStepRequest"> & {
    * @generated from field: map<string, double> metrics = 4;
    */
   metrics: { [key: string]: number };
+
+  /**
+   * The interruptions of the run recovered since the previous report (a process killed or dead, and how
+   * the run came back), oldest first. Part of the report's content: a resend must carry them again.
+   *
+   * @generated from field: repeated lightning.v1.RunInterruption interruptions = 5;
+   */
+  interruptions: RunInterruption[];
 };
 
 /**
@@ -643,6 +651,64 @@ export type ReportStepRequest = Message<"lightning.v1.ReportStepRequest"> & {
  */
 export const ReportStepRequestSchema: GenMessage<ReportStepRequest> = /*@__PURE__*/
   messageDesc(file_lightning_v1_trainer_service, 12);
+
+/**
+ * One interruption of a training run and its recovery: a process of the run died (killed, crashed) and
+ * the run restarted it or was resumed.
+ *
+ * @generated from message lightning.v1.RunInterruption
+ */
+export type RunInterruption = Message<"lightning.v1.RunInterruption"> & {
+  /**
+   * When the interruption was noticed.
+   *
+   * @generated from field: google.protobuf.Timestamp time = 1;
+   */
+  time?: Timestamp | undefined;
+
+  /**
+   * Which process of the run died: "server", "engine", "runners", "trainer", ...
+   *
+   * @generated from field: string process = 2;
+   */
+  process: string;
+
+  /**
+   * Why it died, in words: e.g. "exited with signal 9 (SIGKILL)".
+   *
+   * @generated from field: string cause = 3;
+   */
+  cause: string;
+
+  /**
+   * How the run recovered, and what was redone: e.g. "restarted on the same port after 1.0 s back-off",
+   * or "resumed from checkpoint step-000010; steps 11-12 redone from their stored batches".
+   *
+   * @generated from field: string recovery = 4;
+   */
+  recovery: string;
+
+  /**
+   * How long the recovery took, from the interruption until the process served again (seconds).
+   *
+   * @generated from field: double recovery_seconds = 5;
+   */
+  recoverySeconds: number;
+
+  /**
+   * The training step during which it happened.
+   *
+   * @generated from field: int64 step = 6;
+   */
+  step: bigint;
+};
+
+/**
+ * Describes the message lightning.v1.RunInterruption.
+ * Use `create(RunInterruptionSchema)` to create a new message.
+ */
+export const RunInterruptionSchema: GenMessage<RunInterruption> = /*@__PURE__*/
+  messageDesc(file_lightning_v1_trainer_service, 13);
 
 /**
  * One reported training step.
@@ -681,6 +747,13 @@ export type TrainingEvent = Message<"lightning.v1.TrainingEvent"> & {
    * @generated from field: google.protobuf.Timestamp time = 6;
    */
   time?: Timestamp | undefined;
+
+  /**
+   * The interruptions the report carried: those recovered since the run's previous report.
+   *
+   * @generated from field: repeated lightning.v1.RunInterruption interruptions = 7;
+   */
+  interruptions: RunInterruption[];
 };
 
 /**
@@ -688,7 +761,7 @@ export type TrainingEvent = Message<"lightning.v1.TrainingEvent"> & {
  * Use `create(TrainingEventSchema)` to create a new message.
  */
 export const TrainingEventSchema: GenMessage<TrainingEvent> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 13);
+  messageDesc(file_lightning_v1_trainer_service, 14);
 
 /**
  * Response of ReportStep.
@@ -707,7 +780,7 @@ export type ReportStepResponse = Message<"lightning.v1.ReportStepResponse"> & {
  * Use `create(ReportStepResponseSchema)` to create a new message.
  */
 export const ReportStepResponseSchema: GenMessage<ReportStepResponse> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 14);
+  messageDesc(file_lightning_v1_trainer_service, 15);
 
 /**
  * Request of WatchTraining.
@@ -742,7 +815,7 @@ export type WatchTrainingRequest = Message<"lightning.v1.WatchTrainingRequest"> 
  * Use `create(WatchTrainingRequestSchema)` to create a new message.
  */
 export const WatchTrainingRequestSchema: GenMessage<WatchTrainingRequest> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 15);
+  messageDesc(file_lightning_v1_trainer_service, 16);
 
 /**
  * Response of WatchTraining.
@@ -761,7 +834,7 @@ export type WatchTrainingResponse = Message<"lightning.v1.WatchTrainingResponse"
  * Use `create(WatchTrainingResponseSchema)` to create a new message.
  */
 export const WatchTrainingResponseSchema: GenMessage<WatchTrainingResponse> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 16);
+  messageDesc(file_lightning_v1_trainer_service, 17);
 
 /**
  * Request of GetTrainerStatus.
@@ -776,7 +849,7 @@ export type GetTrainerStatusRequest = Message<"lightning.v1.GetTrainerStatusRequ
  * Use `create(GetTrainerStatusRequestSchema)` to create a new message.
  */
 export const GetTrainerStatusRequestSchema: GenMessage<GetTrainerStatusRequest> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 17);
+  messageDesc(file_lightning_v1_trainer_service, 18);
 
 /**
  * Group counts of one mode.
@@ -823,7 +896,7 @@ export type GroupCounts = Message<"lightning.v1.GroupCounts"> & {
  * Use `create(GroupCountsSchema)` to create a new message.
  */
 export const GroupCountsSchema: GenMessage<GroupCounts> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 18);
+  messageDesc(file_lightning_v1_trainer_service, 19);
 
 /**
  * Response of GetTrainerStatus.
@@ -878,7 +951,7 @@ export type GetTrainerStatusResponse = Message<"lightning.v1.GetTrainerStatusRes
  * Use `create(GetTrainerStatusResponseSchema)` to create a new message.
  */
 export const GetTrainerStatusResponseSchema: GenMessage<GetTrainerStatusResponse> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 19);
+  messageDesc(file_lightning_v1_trainer_service, 20);
 
 /**
  * Request of GetTriplets.
@@ -902,7 +975,7 @@ export type GetTripletsRequest = Message<"lightning.v1.GetTripletsRequest"> & {
  * Use `create(GetTripletsRequestSchema)` to create a new message.
  */
 export const GetTripletsRequestSchema: GenMessage<GetTripletsRequest> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 20);
+  messageDesc(file_lightning_v1_trainer_service, 21);
 
 /**
  * One LLM call as training sees it.
@@ -979,6 +1052,22 @@ export type Triplet = Message<"lightning.v1.Triplet"> & {
    * @generated from field: repeated int32 forced_positions = 13;
    */
   forcedPositions: number[];
+
+  /**
+   * The sampling temperature the engine used for the call, as the proxy recorded it (the request's, else the
+   * engine default 1.0): the learner computes the call's log-probs at it. Absent when the span does not say
+   * (its rows then count as 1.0).
+   *
+   * @generated from field: optional double temperature = 14;
+   */
+  temperature?: number | undefined;
+
+  /**
+   * The call's nucleus-sampling top_p, recorded the same way (absent when the span does not say).
+   *
+   * @generated from field: optional double top_p = 15;
+   */
+  topP?: number | undefined;
 };
 
 /**
@@ -986,7 +1075,7 @@ export type Triplet = Message<"lightning.v1.Triplet"> & {
  * Use `create(TripletSchema)` to create a new message.
  */
 export const TripletSchema: GenMessage<Triplet> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 21);
+  messageDesc(file_lightning_v1_trainer_service, 22);
 
 /**
  * Something not trained, and why.
@@ -1022,7 +1111,7 @@ export type Drop = Message<"lightning.v1.Drop"> & {
  * Use `create(DropSchema)` to create a new message.
  */
 export const DropSchema: GenMessage<Drop> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 22);
+  messageDesc(file_lightning_v1_trainer_service, 23);
 
 /**
  * Why TRAJECTORY aggregation made one row per call of a rollout instead of one row per agent's chain.
@@ -1032,6 +1121,8 @@ export const DropSchema: GenMessage<Drop> = /*@__PURE__*/
 export type AggregationFallback = Message<"lightning.v1.AggregationFallback"> & {
   /**
    * "prompt_not_extension": a call's prompt does not start with its chain's previous prompt + response.
+   * "temperature_differs": a call was sampled at another temperature than its chain's first call (position
+   * and token ids are then -1).
    *
    * @generated from field: string reason = 1;
    */
@@ -1080,7 +1171,7 @@ export type AggregationFallback = Message<"lightning.v1.AggregationFallback"> & 
  * Use `create(AggregationFallbackSchema)` to create a new message.
  */
 export const AggregationFallbackSchema: GenMessage<AggregationFallback> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 23);
+  messageDesc(file_lightning_v1_trainer_service, 24);
 
 /**
  * Response of GetTriplets.
@@ -1162,7 +1253,7 @@ export type GetTripletsResponse = Message<"lightning.v1.GetTripletsResponse"> & 
  * Use `create(GetTripletsResponseSchema)` to create a new message.
  */
 export const GetTripletsResponseSchema: GenMessage<GetTripletsResponse> = /*@__PURE__*/
-  messageDesc(file_lightning_v1_trainer_service, 24);
+  messageDesc(file_lightning_v1_trainer_service, 25);
 
 /**
  * Element type of a Tensor.
@@ -1446,7 +1537,8 @@ export const TrainerService: GenService<{
     output: typeof GetBatchResponseSchema;
   },
   /**
-   * Records a finished training step: its metrics and the policy version it produced.
+   * Records a finished training step: its metrics, the policy version it produced, and the run's
+   * interruptions (processes that died and how the run recovered) since the previous report.
    *
    * @generated from rpc lightning.v1.TrainerService.ReportStep
    */
