@@ -44,6 +44,9 @@ class Background:
                 stderr=subprocess.STDOUT,
                 text=True,
                 env={**env, environment.PARENT_PID: str(os.getpid())},
+                # a group of its own: Ctrl-C in a terminal reaches the command that started it, which stops
+                # it in order (a child that took the SIGINT too would die mid-step, printing tracebacks)
+                process_group=0,
             )
         except OSError as exc:  # a command that is not there, or not executable
             raise RuntimeError(f"{name}: cannot start {next(iter(args))!r}: {exc.strerror or exc}") from None
@@ -117,8 +120,10 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def stop_with_parent(interval: float = 1.0) -> None:
-    """In a child started by :class:`Background`: SIGTERM itself once that parent is gone.
+def stop_with_parent(interval: float = 1.0, grace: float = 5.0) -> None:
+    """In a child started by :class:`Background`: SIGTERM itself once that parent is gone, and exit outright
+    ``grace`` seconds later if it is still there (a runner would otherwise wait out its drain for rollouts
+    nobody will take: their attempts are tried again when the run resumes).
 
     A run killed outright (SIGKILL, or SIGTERM before its cleanup) would otherwise leave its engine,
     server and runners serving nobody. Each child checks its parent every ``interval`` seconds.
@@ -131,6 +136,8 @@ def stop_with_parent(interval: float = 1.0) -> None:
         while os.getppid() == int(expected):
             time.sleep(interval)
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        os._exit(1)
 
     threading.Thread(target=watch, name="stop-with-parent", daemon=True).start()
 

@@ -66,7 +66,13 @@ async def store(store_server: RunningServer) -> AsyncIterator[StoreClient]:
 
 
 #: Tests of the whole system (training runs, the examples, real vLLM): marked e2e by where they live.
-E2E_PATHS = ("tests/e2e/", "tests/examples/", "tests/training/test_training.py", "tests/vllm/")
+E2E_PATHS = (
+    "tests/e2e/",
+    "tests/examples/",
+    "tests/training/test_training.py",
+    "tests/training/test_chaos.py",
+    "tests/vllm/",
+)
 #: Tests measured slow (0.9 s or more on this project's 2-core CPU machine): node-id prefixes, marked slow,
 #: which `make test-fast` leaves out (about 1.5 minutes here for the rest).
 SLOW_TESTS = (
@@ -117,7 +123,10 @@ SLOW_TESTS = (
     "tests/store/test_store_semantics.py::test_worker_heartbeats_do_not_keep_an_attempt_alive",
     "tests/test_extras.py::test_a_missing_extra_is_named",
     "tests/test_processes.py::test_a_child_server_stops_when_its_parent_is_killed",
+    "tests/training/test_dynamic_sampling.py::test_flat_groups_are_set_aside_and_more_groups_drawn_until_the_batch_is_full",
+    "tests/training/test_dynamic_sampling.py::test_at_the_cap_the_step_trains_on_what_it_has_and_says_so_once",
     "tests/training/test_experiment_config.py::test_help_config_lists_every_key_with_its_type_default_and_help",
+    "tests/training/test_recovery.py::test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_the_latest",
     "tests/training/test_learner_temperatures.py::test_an_update_compares_the_recorded_log_probs_at_each_rows_temperature",
     "tests/training/test_reference_docs.py::test_every_metric_an_update_writes_is_in_the_table_and_pg_clipfrac_is_what_the_table_says",
 )

@@ -44,7 +44,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         action=HelpConfigAction,
         help="list every section and key of the experiment file, with its type, default and meaning, and exit",
     )
-    p.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from a checkpoint directory")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="continue from this checkpoint directory (default: the newest one in the output directory, if any)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over at step 1: the output directory's checkpoints and store are removed first",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -86,7 +96,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 def run_train(args: argparse.Namespace) -> int:
     from lightning_grpc.training.engines import EngineError
     from lightning_grpc.training.experiment import ConfigError, check_agent_module, load_experiment
-    from lightning_grpc.training.loop import run_experiment
+    from lightning_grpc.training.loop import RunFailed, RunInterrupted, run_experiment
 
     logs.configure_logging(args.log_level)
     try:
@@ -100,16 +110,74 @@ def run_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print("error: --dry-run goes with --backend verl", file=sys.stderr)
         return 2
-    if args.resume is not None and not (args.resume / "trainer_state.pt").exists():
-        print(f"error: --resume {args.resume} is not a checkpoint (no trainer_state.pt)", file=sys.stderr)
-        return 2
+    resume = choose_start(args, config)
+    if isinstance(resume, int):
+        return resume
     try:
-        result = run_experiment(config, resume=args.resume, progress=not args.no_progress)
+        result = run_experiment(config, resume=resume, progress=not args.no_progress)
     except EngineError as exc:  # an engine that cannot serve the run: what to change, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunInterrupted as stop:
+        print(f"to resume, run the same command again: {resume_command(args)}", file=sys.stderr)
+        return stop.exit_code
+    except RunFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        print(f"what finished is kept; to resume: {resume_command(args)}", file=sys.stderr)
+        return 1
     print(report(result, config.validation.target))
     return 0
+
+
+def choose_start(args: argparse.Namespace, config: Any) -> Path | int | None:
+    """The checkpoint the run resumes from (None: step 1), or an exit code after an error.
+
+    Without ``--resume`` the newest whole checkpoint of the output directory is taken, so a run that was
+    killed or interrupted goes on when its command is run again; ``--fresh`` starts over instead.
+    """
+    from lightning_grpc.training import recovery
+
+    if args.fresh and args.resume is not None:
+        print("error: --fresh and --resume exclude each other", file=sys.stderr)
+        return 2
+    if args.fresh:
+        db = config.output_dir / config.services.store_path if config.services.store_path else None
+        recovery.clear_for_fresh_start(config.output_dir, db, checkpoints=True)
+        return None
+    if args.resume is not None:
+        if not recovery.is_checkpoint(args.resume):
+            print(
+                f"error: --resume {args.resume} is not a checkpoint (no trainer_state.pt or sharded/ in it)",
+                file=sys.stderr,
+            )
+            return 2
+        return Path(args.resume)
+    if recovery.run_finished(config.output_dir):
+        print(
+            f"the run in {config.output_dir} finished: starting over "
+            "(--resume CHECKPOINT continues from one of its checkpoints)",
+            file=sys.stderr,
+        )
+        db = config.output_dir / config.services.store_path if config.services.store_path else None
+        recovery.clear_for_fresh_start(config.output_dir, db, checkpoints=True)
+        return None
+    latest = recovery.latest_checkpoint(config.output_dir)
+    if latest is not None:
+        print(
+            f"resuming from {latest} (the newest checkpoint in the output directory; --fresh starts over)",
+            file=sys.stderr,
+        )
+    return latest
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that goes on where the run stopped (the same one, without --resume/--fresh)."""
+    kept = [a for a in sys.argv[1:] if a != "--fresh"]
+    if "--resume" in kept:
+        at = kept.index("--resume")
+        del kept[at : at + 2]
+    kept = [a for a in kept if not a.startswith("--resume=")]
+    return " ".join(["lightning-grpc", *kept]) if kept else f"lightning-grpc train {args.config}"
 
 
 def run_train_with_verl(args: argparse.Namespace, config: Any) -> int:
@@ -138,18 +206,27 @@ def report(result: Any, target: float | None) -> str:
     def fmt(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
+    resumed = getattr(result, "resumed_from", None)
+    this = f" of this invocation (resumed after step {resumed})" if resumed is not None else ""
     lines = [
         "",
-        f"stopped after {result.steps} steps: {result.stopped_because} ({result.seconds:.0f}s)",
-        f"validation reward: before {fmt(result.val_before)}, after {fmt(result.val_after)}"
-        + (f" (target {target:g})" if target is not None else ""),
+        f"stopped after {result.steps} steps{this}: {result.stopped_because} ({result.seconds:.0f}s)",
+        f"validation reward: {'before' if resumed is None else f'at step {resumed}'} {fmt(result.val_before)}, "
+        f"after {fmt(result.val_after)}" + (f" (target {target:g})" if target is not None else ""),
         f"trained checkpoint: {result.checkpoint}",
     ]
+    interruptions = getattr(result, "interruptions", [])
+    if interruptions:
+        lines.append(f"interruptions recovered ({len(interruptions)}, listed in interruptions.jsonl):")
+        lines += [f"  step {i.step}: {i.process} {i.cause}; {i.recovery}" for i in interruptions[-5:]]
     split = {k: v for k, v in result.time_split.items() if v}
     if split:
-        lines.append("where the time went (seconds, summed over steps):")
+        lines.append("where the time went (seconds, summed over this invocation's steps):")
         lines += [f"  {name[: -len('_seconds')]}: {value:.1f}" for name, value in sorted(split.items())]
     for when in ("before", "after"):
         if result.transcripts.get(when):
-            lines += [f"a validation rollout {when} training:", result.transcripts[when]]
+            label = (
+                f"{when} training" if resumed is None or when == "after" else f"at the resumed step {resumed}"
+            )
+            lines += [f"a validation rollout {label}:", result.transcripts[when]]
     return "\n".join(lines)

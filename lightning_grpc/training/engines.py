@@ -119,7 +119,22 @@ class EmbeddedEngine:
             return self.url
         # handed to the child in its environment, not its arguments
         self.admin_key = secrets.token_urlsafe(32)
-        engine = Background(
+        engine = self._process(model_dir, policy_version, port=0)
+        self.processes.append(engine)
+        self.url = "http://" + log_field(engine.wait_for("event=engine_started", timeout=120)[0], "address")
+        return self.url
+
+    def restart(self, model_dir: Path, policy_version: int) -> Background:
+        """The engine this run started, again, on its port: serving ``model_dir`` (the weights last published)
+        as ``policy_version``. Returns the new process once it serves."""
+        port = int(self.url.rsplit(":", 1)[1])
+        engine = self._process(model_dir, policy_version, port=port)
+        engine.wait_for("event=engine_started", timeout=120)
+        self.processes[:] = [engine]
+        return engine
+
+    def _process(self, model_dir: Path, policy_version: int, *, port: int) -> Background:
+        return Background(
             "engine",
             [
                 *CLI,
@@ -127,7 +142,7 @@ class EmbeddedEngine:
                 "--model",
                 str(model_dir),
                 "--port",
-                "0",
+                str(port),
                 "--served-model-name",
                 self.served_name,
                 "--threads",
@@ -139,9 +154,6 @@ class EmbeddedEngine:
             ],
             {**model_child_env(self.threads), environment.ENGINE_ADMIN_KEY: self.admin_key},
         )
-        self.processes.append(engine)
-        self.url = "http://" + log_field(engine.wait_for("event=engine_started", timeout=120)[0], "address")
-        return self.url
 
     async def load_weights(self, path: Path, policy_version: int) -> int:
         async with (
@@ -300,6 +312,11 @@ class VllmEngine:
             "--max-model-len",
             str(self.max_model_len),
             "--disable-uvicorn-access-log",
+            # vLLM's own (OpenAI's) defaults for what a request leaves out, not the model's
+            # generation_config.json (a Qwen's temperature 0.7, top_k 20, ...): the proxy records an absent
+            # temperature or top_p as 1.0, and the learner computes log-probs at the recorded temperature
+            "--generation-config",
+            "vllm",
             "--worker-extension-cls",
             VLLM_WORKER_EXTENSION_CLS,
             *(self._cpu_args() if not _has_cuda() else []),

@@ -171,9 +171,30 @@ class AgentSection(_Section):
         metadata=_help("Runner processes started (0: runners started elsewhere serve services.store)."),
     )
     concurrency: int = field(default=64, metadata=_help("Rollouts each runner process runs at once."))
+    rollout_timeout: float = field(
+        default=300.0, metadata=_help("Seconds an attempt may run before the store ends it (TIMEOUT).")
+    )
+    unresponsive_timeout: float = field(
+        default=60.0,
+        metadata=_help(
+            "Seconds without a span or heartbeat after which the store ends an attempt (UNRESPONSIVE): how "
+            "soon the rollouts of a runner that died are tried again."
+        ),
+    )
+    max_attempts: int = field(
+        default=3,
+        metadata=_help(
+            "Attempts a rollout gets, the first included: one that ends FAILED, TIMEOUT or UNRESPONSIVE "
+            "(its runner or the engine died under it) is tried again until then; its calls stay with "
+            "their attempt and only the last attempt is trained."
+        ),
+    )
 
     def rules(self) -> list[tuple[str, bool, str]]:
         return [
+            ("rollout_timeout", self.rollout_timeout > 0, "must be more than 0 seconds"),
+            ("unresponsive_timeout", self.unresponsive_timeout > 0, "must be more than 0 seconds"),
+            ("max_attempts", self.max_attempts >= 1, "must be at least 1"),
             (
                 "agent",
                 (bool(self.agent) and ":" in self.agent) != bool(self.command),
@@ -246,11 +267,40 @@ class DataSection(_Section):
         ),
     )
     fill_reward: float = field(default=0.0, metadata=_help('The reward failure_policy = "fill" gives.'))
+    filter_groups: bool = field(
+        default=False,
+        metadata=_help(
+            "Dynamic sampling (DAPO; verl: algorithm.filter_groups.enable): set aside the GRPO groups whose"
+            " rollouts all earned the same final reward (zero advantage, no gradient) and draw more groups until"
+            " the step has data.batch_size groups with a reward spread; metrics filtered_groups and gen_batches."
+            " Async mode: applies to the batch being taken (groups in flight are topped up)."
+        ),
+    )
+    max_num_gen_batches: int = field(
+        default=4,
+        metadata=_help(
+            "With filter_groups: the most generation rounds of a step, the first included (verl:"
+            " algorithm.filter_groups.max_num_gen_batches); each further round draws the groups still missing."
+            " At the cap the step trains on the groups it has and says so (metric filter_groups_capped, one"
+            " warning a run) where verl raises. At least 1: verl's 0 (no cap) is refused, as a task whose"
+            " rewards never differ would generate forever."
+        ),
+    )
 
     def rules(self) -> list[tuple[str, bool, str]]:
         return [
             ("group_size", self.group_size >= 1, "must be at least 1"),
             ("batch_size", self.batch_size >= 1, "must be at least 1"),
+            (
+                "max_num_gen_batches",
+                self.max_num_gen_batches >= 1,
+                "must be at least 1 (generation rounds per step, the first included; 0 = no cap is not allowed)",
+            ),
+            (
+                "filter_groups",
+                not self.filter_groups or self.group_size >= 2,
+                "needs data.group_size of at least 2 (a group of one rollout has no reward spread to filter by)",
+            ),
         ]
 
 
@@ -263,7 +313,9 @@ class SamplingSection(_Section):
     temperature: float = field(
         default=1.0,
         metadata=_help(
-            "Sampling temperature of the agents' calls, and the one the learner computes log-probs at."
+            "Sampling temperature the agents are given (llm.sampling_parameters); the learner computes each "
+            "row's log-probs at the temperature the proxy recorded for its calls (this one when none was), and "
+            "the run warns once when they differ."
         ),
     )
     top_p: float = field(default=1.0, metadata=_help("Nucleus sampling: the probability mass kept."))
@@ -304,11 +356,21 @@ class CheckpointSection(_Section):
 
     section: ClassVar[str] = "checkpoint"
 
-    every: int = field(default=0, metadata=_help("Save a checkpoint every this many steps (0: none)."))
+    every: int = field(
+        default=10,
+        metadata=_help(
+            "Save a checkpoint every this many steps (0: only on an interrupt and at the end). A run "
+            "interrupted (Ctrl-C) also saves one; a run killed outright redoes the steps since the last one "
+            "from their stored batches."
+        ),
+    )
     keep: int = field(default=2, metadata=_help("Checkpoints kept (older ones are removed)."))
 
     def rules(self) -> list[tuple[str, bool, str]]:
-        return [("every", self.every >= 0, "must be at least 0")]
+        return [
+            ("every", self.every >= 0, "must be at least 0"),
+            ("keep", self.keep >= 1, "must be at least 1"),
+        ]
 
 
 @dataclass(frozen=True)
@@ -327,6 +389,31 @@ class ServicesSection(_Section):
     )
     trainer_threads: int = field(default=1, metadata=_help("torch threads of the trainer's process."))
     engine_threads: int = field(default=1, metadata=_help("torch threads of the engine the run starts."))
+    store_path: str = field(
+        default="store.db",
+        metadata=_help(
+            'The SQLite file of the store the run starts, relative to experiment.output_dir ("": in '
+            "memory, lost with the process). On file, a store that dies is restarted with every rollout and "
+            "batch, and a resumed run takes the batches it had already drawn instead of drawing new ones."
+        ),
+    )
+    restarts: int = field(
+        default=5,
+        metadata=_help(
+            "Restarts of each child the run started (store server, engine, runners) before the run gives up "
+            "with that child's own last lines (0: a child that dies ends the run)."
+        ),
+    )
+    restart_backoff: float = field(
+        default=1.0,
+        metadata=_help("Seconds before the first restart of a dead child; doubled each time, at most 30."),
+    )
+
+    def rules(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("restarts", self.restarts >= 0, "must be at least 0"),
+            ("restart_backoff", self.restart_backoff >= 0, "must be at least 0 seconds"),
+        ]
 
 
 @dataclass(frozen=True)
@@ -760,3 +847,67 @@ def read_tasks(path: Path) -> list[Any]:
     if not tasks:
         raise ConfigError(f"{path} holds no task")
     return tasks
+
+
+def config_reference_markdown(example: Path | None = None, example_name: str = "") -> str:
+    """docs/configuration.md: what :func:`describe_config` lists (every section and key with its type, default
+    and help, from the dataclasses), as Markdown tables. ``example``: an experiment file (TOML) whose values
+    are shown beside the defaults, named ``example_name`` (its path from the repository root)."""
+    shown: dict[str, Any] = tomllib.loads(example.read_text()) if example is not None else {}
+
+    def cell(text: str) -> str:  # a table cell: one line, no column break, no HTML tag
+        return " ".join(text.split()).replace("|", "\\|").replace("<", "\\<")
+
+    def code(text: str) -> str:
+        return f"`{text}`".replace("|", "\\|")
+
+    def wrapped(text: str, indent: str = "") -> list[str]:  # a paragraph (or list item), 110 wide
+        text = " ".join(text.replace("``", "`").split())
+        return textwrap.wrap(
+            text, 110, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+        )
+
+    demo = f" [{example_name}](../{example_name})" if example_name else " the example file"
+    lines = [
+        "# Configuration reference: the experiment file",
+        "",
+        "<!-- Generated from the dataclasses of lightning_grpc/training/experiment.py by",
+        "`make docs-reference` (scripts/gen_docs.py): edit their help there, not this page. -->",
+        "",
+        *wrapped(
+            "`lightning-grpc train CONFIG` runs the experiment one file describes: TOML tables, or YAML"
+            " mappings of the same names. Every section and key is below with its type, its default (the"
+            " code's: what a key the file leaves out gets) and its meaning; `lightning-grpc train"
+            " --help-config` prints the same, from the same dataclasses. Relative paths are taken from the"
+            " file's folder; `--set SECTION.KEY=VALUE` overrides a key (VALUE read as JSON, else as text)."
+            " An unknown key, or a value of the wrong kind, stops the run before anything starts, naming it."
+            + (
+                f" The column Demo is what{demo} (`make demo`) sets, blank where it keeps the default: values"
+                " chosen for its tiny model and two-digit answers."
+                if example is not None
+                else ""
+            )
+            + " What a run records each step is in the [metrics reference](metrics.md)."
+        ),
+        "",
+        *wrapped("Sections: " + ", ".join(f"[`[{name}]`](#{name})" for name in SECTIONS) + "."),
+    ]
+    columns = ["Key", "Type", "Default", *(["Demo"] if example is not None else []), "Meaning"]
+    for name, kind in SECTIONS.items():
+        doc = (kind.__doc__ or "").strip().split("\n\n")[0]
+        lines += ["", f"## `[{name}]`", "", *wrapped(doc), "", f"| {' | '.join(columns)} |"]
+        lines.append("| --- " * len(columns) + "|")
+        hints = get_type_hints(kind)
+        for f in file_keys(kind):
+            row = [code(f.name), code(type_name(hints[f.name])), code(_toml_value(_default(f)))]
+            if example is not None:
+                value = shown.get(name, {}).get(f.name)
+                value = tuple(value) if isinstance(value, list) else value
+                row.append("" if value is None else code(_toml_value(value)))
+            lines.append("| " + " | ".join([*row, cell(f.metadata.get("help", ""))]) + " |")
+    lines += ["", "## Set in one place, used elsewhere", ""]
+    for copy, source in DERIVED.items():
+        lines += wrapped(
+            f"- `{copy}` is set as `{source}` (a file that sets `{copy}` is refused, and told so).", "  "
+        )
+    return "\n".join(lines) + "\n"

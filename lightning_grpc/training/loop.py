@@ -16,13 +16,16 @@ once the validation reward reaches ``validation.target``. Metrics go to ``metric
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
+import os
 import random
-import shutil
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,27 +42,61 @@ from lightning_grpc.algorithm import final_reward
 from lightning_grpc.batching.options import Aggregation
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
 from lightning_grpc.client.proxy import ProxyClient
+from lightning_grpc.errors import AlreadyExistsError, LightningError
 from lightning_grpc.proxy import Backend
 from lightning_grpc.triplets.conversation import json_object, response_message, tool_calls_of
-from lightning_grpc.types import ProxyLLM, RolloutConfig, Span
+from lightning_grpc.types import AttemptStatus, ProxyLLM, RolloutConfig, Span
 
+from . import recovery
 from .distributed import DistributedLearner
+from .dynamic_sampling import GenerationRounds
+from .engines import EmbeddedEngine
 from .experiment import ExperimentConfig, read_tasks
-from .learner import Learner, UpdateInput, reward_metrics, rollout_rewards_and_groups
+from .learner import (
+    Learner,
+    UpdateInput,
+    read_tokenizer_files,
+    reward_metrics,
+    rollout_rewards_and_groups,
+    write_files,
+)
 from .metrics import MetricsLog, summary_line
+from .plan import TaskPlan
+from .recovery import Interruption, Journal
+from .sampling import TemperatureCheck
 from .services import Services, start_runners, start_services
 from .signal import SignalWatcher, Stall, truncated_share
+from .supervision import ChildLost, Supervisor, again
 
 if TYPE_CHECKING:
     from lightning_grpc.client.trainer import TrainingBatch
 
 log = logs.get_logger(__name__)
 
+#: Batch drop reasons of rollouts that failed (a step with only these trained nothing: an error).
+FAILURE_DROPS = frozenset(
+    {
+        "rollout_failed",
+        "rollout_timed_out",
+        "rollout_unresponsive",
+        "rollout_cancelled",
+        "group_dropped_for_failed_sibling",
+        "rollout_dropped",  # what failure_policy = "drop_rollout" did with each of them
+    }
+)
+
+#: Seconds after a SIGINT/SIGTERM during which another one is taken as the same request.
+SIGNAL_GRACE_S = 3.0
+
+#: How far the run got, in its output directory (read by a resumed run).
+RUN_STATE = recovery.RUN_STATE
+
 PRINTED = (
     "reward_mean",
     "solved",
     "val_reward",
     "zero_variance_groups",
+    "filtered_groups",
     "pg_clipfrac",
     "entropy",
     "step_seconds",
@@ -77,6 +114,37 @@ class RunResult:
     transcripts: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     time_split: dict[str, float] = field(default_factory=dict)
+    #: The step this invocation resumed after (None: it started the run); seconds and time_split are this
+    #: invocation's alone.
+    resumed_from: int | None = None
+    #: Every interruption of the run so far (``interruptions.jsonl``), earlier invocations' included.
+    interruptions: list[Interruption] = field(default_factory=list)
+
+
+class RunInterrupted(Exception):
+    """The run was stopped by SIGINT (Ctrl-C) or SIGTERM after saving a checkpoint of its last step."""
+
+    def __init__(self, signum: int, checkpoint: Path | None, step: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name} after step {step}")
+        self.signum, self.checkpoint, self.step = signum, checkpoint, step
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, as a shell reports a process that a signal stopped (130 for Ctrl-C)."""
+        return 128 + self.signum
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (a step where every rollout failed, a child that keeps dying): its message says
+    what happened, in the words of the part that failed."""
+
+
+class StepFailed(RunFailed):
+    """Every rollout of a step failed."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 @dataclass
@@ -90,27 +158,24 @@ class Validation:
 class CpuClock:
     """CPU seconds each process spent since the last reading (where the time of a step goes)."""
 
-    def __init__(self, processes: Mapping[str, int]) -> None:
-        self._procs = {}
-        for name, pid in processes.items():
-            try:
-                self._procs[name] = psutil.Process(pid)
-            except psutil.NoSuchProcess:
-                continue
+    def __init__(self, processes: Mapping[str, Sequence[int]]) -> None:
+        self._procs: dict[str, list[psutil.Process]] = {}
+        for name, pids in processes.items():
+            for pid in pids:
+                try:
+                    self._procs.setdefault(name, []).append(psutil.Process(pid))
+                except psutil.NoSuchProcess:
+                    continue
+        self._last: dict[str, float] = {}
         self._last = self._read()
 
     def _read(self) -> dict[str, float]:
         out = {}
-        for name, proc in self._procs.items():
+        for name, procs in self._procs.items():
             try:
-                times = proc.cpu_times()
-                out[name] = times.user + times.system
-                if name != "trainer":  # the trainer's children are the other services, counted apart
-                    out[name] += sum(
-                        c.cpu_times().user + c.cpu_times().system for c in proc.children(recursive=True)
-                    )
-            except psutil.Error:
-                out[name] = self._last.get(name, 0.0) if hasattr(self, "_last") else 0.0
+                out[name] = sum(_cpu_seconds(proc, children=name != "trainer") for proc in procs)
+            except psutil.Error:  # a process that died (and was restarted): its share is not counted
+                out[name] = self._last.get(name, 0.0)
         return out
 
     def lap(self) -> dict[str, float]:
@@ -118,6 +183,15 @@ class CpuClock:
         lap = {f"cpu_{name}_seconds": now[name] - self._last.get(name, 0.0) for name in now}
         self._last = now
         return lap
+
+
+def _cpu_seconds(proc: psutil.Process, *, children: bool) -> float:
+    """CPU seconds of ``proc`` (and its children: a trainer's children are the other services, counted apart)."""
+    times = proc.cpu_times()
+    seconds = times.user + times.system
+    if children:
+        seconds += sum(c.cpu_times().user + c.cpu_times().system for c in proc.children(recursive=True))
+    return float(seconds)
 
 
 class TrainingRun:
@@ -147,12 +221,38 @@ class TrainingRun:
         #: The model's end-of-turn tokens: a response that ends with one at max_tokens was not cut.
         self.stop_ids: frozenset[int] = frozenset()
         self.policy_version = 0
-        self.metrics = MetricsLog(self._prepared_output())
+        #: The store's file in the output directory (None: a store in memory, or one the run does not start).
+        self.db = self.out / config.services.store_path if config.services.store_path else None
+        if config.services.store:
+            self.db = None
+        if resume is None:  # a fresh start: an earlier run's store there would answer with its batches
+            recovery.clear_for_fresh_start(self.out, self.db, checkpoints=False)
+        self.journal = Journal(self._prepared_output())
+        self.metrics = MetricsLog(self.out)
+        #: Groups submitted and not yet in a batch (async mode carries them over steps; kept in checkpoints).
+        self.in_flight: list[str] = []
+        #: The order training tasks are drawn in (how far it got is kept in checkpoints).
+        self.plan = TaskPlan(len(self.train_tasks), config.experiment.seed)
+        #: The plan's draws and the groups in flight when the last whole step ended (what a checkpoint keeps).
+        self._step_end: tuple[int, list[str]] = (0, [])
+        #: Set by SIGINT or SIGTERM: the signal's number, and when it came (monotonic seconds).
+        self.interrupted = 0
+        self._interrupted_at = 0.0
+        self.supervisor: Supervisor | None = None
+        #: Whether this invocation has published weights to the engine (what a restarted engine serves).
+        self.published = False
+        #: A step where every rollout failed in an earlier invocation, and how often: its groups are drawn anew
+        #: (new ids, the same places in the task plan) instead of its failed batch being taken again.
+        self.redraw_step, self.redraw = 0, 0
         #: Says when the run has had no learning signal for experiment.stall_window steps (and can stop it).
         self.signal = SignalWatcher(
             config.experiment.stall_window,
             zero_variance_fraction=config.experiment.stall_zero_variance_fraction,
             conditions=config.experiment.stall_conditions,
+        )
+        #: Warns once when calls were sampled at another temperature than sampling.temperature.
+        self.temperatures = TemperatureCheck(
+            config.sampling.temperature, say, learner_uses_recorded=backend is None
         )
 
     def _prepared_output(self) -> Path:
@@ -212,12 +312,22 @@ class TrainingRun:
             )
             if self.resume is not None:
                 ranked, extra = DistributedLearner.resume(self.resume, **options)
+                self._restore(extra)
                 return ranked, int(extra.get("policy_version", ranked.step))
             return DistributedLearner(model_path=model_dir, **options), 0
         if self.resume is not None:
             learner, extra = Learner.resume(self.resume, **options)
+            self._restore(extra)
             return learner, int(extra.get("policy_version", learner.step))
         return Learner(model_path=model_dir, **options), 0
+
+    def _restore(self, extra: Mapping[str, Any]) -> None:
+        """What a checkpoint keeps of the loop: the groups in flight and how far the task plan got (a
+        checkpoint written before the plan existed: as many draws as its steps took in sync mode)."""
+        self.in_flight = list(extra.get("in_flight", []))
+        step = int(extra.get("policy_version", 0))
+        self.plan.drawn = int(extra.get("tasks_drawn", step * self.config.data.batch_size))
+        self._step_end = (self.plan.drawn, list(self.in_flight))
 
     # ------------------------------------------------------------ the run
     async def run(self) -> RunResult:
@@ -236,20 +346,199 @@ class TrainingRun:
             model_config = AutoConfig.from_pretrained(model_dir)
             self.pad_id, self.stop_ids = _pad_id(model_config), _stop_ids(model_config)
         first_step = self.policy_version + 1 if self.learner is None else self.learner.step + 1
+        self._note_resume(first_step)
         self.metrics.truncate(first_step - 1)
         self.say(f"starting the services (model {model_dir}, policy version {self.policy_version})")
         self.services = start_services(
-            self.config, model_dir, policy_version=self.policy_version, start_engine=self.backend is None
+            self.config,
+            model_dir,
+            policy_version=self.policy_version,
+            db=self.db,
+            start_engine=self.backend is None,
+            current_version=lambda: self.policy_version,
         )
+        self._restartable_engine(model_dir)
         if self.services.dashboard_url:
             self.say(f"dashboard (rollouts, traces, training curves, live): {self.services.dashboard_url}")
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        assert main is not None
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self._interrupt, signum, main)
         try:
-            return await self._run_with_services(first_step, started)
+            return await self._supervised(first_step, started)
+        except asyncio.CancelledError:
+            if not self.interrupted:
+                raise
+            raise self._interrupted(first_step) from None
+        except Exception as error:
+            self._mark_failed(error)
+            raise
         finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
             self.services.stop()
             self.metrics.close()
             if isinstance(self.learner, DistributedLearner):
                 self.learner.close()  # its ranks, and the Ray it started
+
+    async def _supervised(self, first_step: int, started: float) -> RunResult:
+        """The run beside the supervisor of its children: a child that dies is restarted while the run goes
+        on; one that cannot be (or died ``services.restarts`` times) ends the run with its own last lines."""
+        assert self.services is not None
+        svc = self.config.services
+        self.supervisor = Supervisor(
+            self.services,
+            self.journal,
+            restarts=svc.restarts,
+            backoff=svc.restart_backoff,
+            # the step in progress: the one after the last reported
+            step=lambda: int(self.metrics.rows[-1]["step"]) + 1 if self.metrics.rows else first_step,
+        )
+        watch = asyncio.create_task(self.supervisor.watch(), name="supervisor")
+        work = asyncio.create_task(self._run_with_services(first_step, started), name="training")
+        try:
+            done, _ = await asyncio.wait({watch, work}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            work.cancel()
+            try:
+                watch.result()
+            except ChildLost as lost:
+                raise RunFailed(str(lost)) from None
+            raise RunFailed("the supervisor of the run's processes stopped")  # pragma: no cover
+        finally:
+            for task in (watch, work):
+                task.cancel()
+            await asyncio.gather(watch, work, return_exceptions=True)
+
+    def _interrupt(self, signum: int, main: asyncio.Task[Any]) -> None:
+        """SIGINT or SIGTERM: stop the step in progress and end with a checkpoint of the last finished step.
+
+        A second signal within :data:`SIGNAL_GRACE_S` is the same request (a terminal and a wrapper such as
+        ``timeout`` may both deliver it); a later one stops at once, without the checkpoint (the previous
+        whole one stays the latest: checkpoints are replaced atomically, and children stop with their parent).
+        """
+        now = time.monotonic()
+        if self.interrupted:
+            if now - self._interrupted_at < SIGNAL_GRACE_S:
+                return
+            self.say(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint")
+            os._exit(128 + signum)
+        self.interrupted, self._interrupted_at = signum, now
+        self.say(f"\n{signal.Signals(signum).name}: stopping; saving a checkpoint of the last finished step")
+        main.cancel()
+
+    def _interrupted(self, first_step: int) -> RunInterrupted:
+        """The checkpoint of an interrupted run (its last whole step), and the line that says how to go on."""
+        step = self.learner.step if self.learner is not None else self.policy_version
+        path: Path | None = None
+        if self.learner is not None and step >= first_step:
+            path = self.checkpoint(step)
+        else:
+            path = self.resume or recovery.latest_checkpoint(self.out)
+        self._mark_state("interrupted", step)
+        where = f"checkpoint {path}" if path is not None else "no checkpoint (no step finished)"
+        self.say(f"interrupted after step {step}: {where}")
+        return RunInterrupted(self.interrupted, path, step)
+
+    def _restartable_engine(self, model_dir: Path) -> None:
+        """The engine this run started comes back, after a crash, at the policy version last published; the
+        proxy holds new calls while it starts (only the calls in flight when it died fail)."""
+        assert self.services is not None
+        engine = self.services.engine
+        if not isinstance(engine, EmbeddedEngine) or self.config.services.engine:
+            return
+        # read now: the checkpoint the run resumed from may be pruned before the engine next needs them
+        tokenizer = read_tokenizer_files(model_dir)
+        child = self.services.child("engine")
+        child.restart = lambda: engine.restart(
+            self._served_weights(model_dir, tokenizer), self.policy_version
+        )
+        child.hold = self._hold_calls
+
+    def _served_weights(self, model_dir: Path, tokenizer: Mapping[str, bytes]) -> Path:
+        """What the engine serves now: the weights this invocation last published (with the tokenizer beside
+        them), else the model it started from (a crashed invocation's weights there are not this run's)."""
+        weights = self.out / "weights"
+        if not self.published:
+            return model_dir
+        write_files(tokenizer, weights)
+        return weights
+
+    @contextlib.asynccontextmanager
+    async def _hold_calls(self) -> AsyncIterator[None]:
+        """The proxy holds new calls (a paused proxy answers them once resumed) while a child restarts."""
+        proxy = getattr(self, "proxy", None)  # None: the run's clients are not connected yet
+        try:
+            if proxy is not None:
+                await proxy.pause("the engine is restarting")
+        except LightningError:  # the server is down too: nothing reaches the engine meanwhile
+            pass
+        try:
+            yield
+        finally:
+            if proxy is not None:
+                with contextlib.suppress(LightningError):
+                    await again("resume", proxy.resume, patience=60)
+
+    # ------------------------------------------------------------ resuming
+    def _note_resume(self, first_step: int) -> None:
+        """A resumed run: the interruption that ended the earlier invocation, in the journal (what is redone)."""
+        state = self._read_state()
+        self.resumed_from = first_step - 1 if self.resume is not None else None
+        if self.resume is None or not state:
+            self._mark_state("running", first_step - 1)
+            return
+        last = int(state.get("step", first_step - 1))
+        redone = f"; steps {first_step}-{last} redone from their stored batches" if last >= first_step else ""
+        how = state.get("status", "running")
+        causes = {
+            "interrupted": "stopped by a signal (a clean stop, with a checkpoint)",
+            "failed": f"stopped on an error: {state.get('error', '?')}",
+            "finished": "had finished",
+        }
+        cause = causes.get(how, "ended without stopping the run (killed, or its machine went down)")
+        if how == "failed" and state.get("failed_step") == last + 1 and last + 1 >= first_step:
+            self.redraw_step, self.redraw = last + 1, int(state.get("redraws", 1))
+            redone += f"; step {last + 1}, where every rollout had failed, drawn anew"
+        stopped_at = float(state.get("time", time.time()))
+        self.journal.record(
+            Interruption(
+                time=stopped_at,
+                step=last,
+                process="trainer",
+                cause=cause,
+                recovery=f"resumed from checkpoint {self.resume.name}{redone}",
+                recovery_seconds=round(time.time() - stopped_at, 3),
+            )
+        )
+        self._mark_state("running", first_step - 1)
+
+    def _mark_failed(self, error: Exception) -> None:
+        """``run_state.json`` says the run stopped on an error (and, for a step where every rollout failed,
+        which step: the same command draws that step's groups anew instead of taking its failed batch)."""
+        done = int(self.metrics.rows[-1]["step"]) if self.metrics.rows else (self.resumed_from or 0)
+        state: dict[str, Any] = {"error": str(error).splitlines()[0][:500]}
+        if isinstance(error, StepFailed):
+            state.update(
+                failed_step=error.step, redraws=self.redraw + 1 if error.step == self.redraw_step else 1
+            )
+        self._mark_state("failed", done, **state)
+
+    def _read_state(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads((self.out / RUN_STATE).read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def _mark_state(self, status: str, step: int, **more: Any) -> None:
+        """``run_state.json``: how far the run got and whether it is running, was interrupted, failed or
+        finished."""
+        state = {"status": status, "step": step, "time": time.time(), "pid": psutil.Process().pid, **more}
+        tmp = self.out / (RUN_STATE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.out / RUN_STATE)
 
     async def _run_with_services(self, first_step: int, started: float) -> RunResult:
         assert self.services is not None and (self.learner is not None or self.backend is not None)
@@ -268,35 +557,25 @@ class TrainingRun:
             self.store, self.trainer, self.proxy, self.http = store, trainer, proxy, http
             if self.backend is not None:  # the backend's inference servers behind the proxy
                 await proxy.set_backends(await self.backend.proxy_backends(cfg.model.served_name, http))
-            resources = await store.add_resources(
-                {
-                    "llm": ProxyLLM(
-                        endpoint=f"{svc.proxy_url}/v1",
-                        model=cfg.model.served_name,
-                        sampling_parameters={
-                            "temperature": cfg.sampling.temperature,
-                            "top_p": cfg.sampling.top_p,
-                            "max_tokens": cfg.sampling.max_tokens,
-                        },
-                    )
-                }
-            )
-            self.resources_id = resources.resources_id
+            self.resources_id = await self._llm_resource(svc.proxy_url)
             start_runners(cfg, svc)
             clock = CpuClock(self._pids())
             before = await self.validate(first_step - 1) if self.val_tasks else None
             if before is not None:
-                self.say(
-                    f"validation before training: reward {before.reward:.3f} (solved {before.solved:.2f})"
+                when = (
+                    "before training"
+                    if self.resumed_from is None
+                    else f"at the resumed step {self.resumed_from} (before this invocation's steps)"
                 )
+                self.say(f"validation {when}: reward {before.reward:.3f} (solved {before.solved:.2f})")
             val_after = before
             reason = "step limit"
             step = first_step - 1
             bar = self._bar(first_step)
-            in_flight: list[str] = []
+            in_flight = self.in_flight
             for step in range(first_step, cfg.experiment.steps + 1):
-                svc.check_alive()
                 metrics = await self.train_step(step, in_flight)
+                self._step_end = (self.plan.drawn, list(in_flight))
                 metrics.update(clock.lap())
                 if self.val_tasks and cfg.validation.every and step % cfg.validation.every == 0:
                     val = await self.validate(step)
@@ -305,8 +584,10 @@ class TrainingRun:
                     )
                     val_after = val
                 stalls = self._watch_signal(step, metrics)
+                metrics["interruptions"] = float(len(self.journal.read()))
                 self.metrics.add(step, metrics)
-                await self.trainer.report_step(step, self.policy_version, metrics, run_id=cfg.experiment.name)
+                await self._report(step, metrics)
+                self._mark_state("running", step)
                 self._show(bar, step, metrics)
                 self._warn(bar, stalls)
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
@@ -329,6 +610,7 @@ class TrainingRun:
                 val_after = await self.validate(step)
                 self.metrics.update(step, {"val_reward": val_after.reward, "val_solved": val_after.solved})
             final = self.checkpoint(step, final=True)
+            self._mark_state("finished", step)
             plot = self.metrics.plot(self.out / "reward.png", cfg.validation.target)
             if plot is not None:
                 self.say(f"reward curve: {plot}")
@@ -345,14 +627,52 @@ class TrainingRun:
                     "after": val_after.transcript if val_after else "",
                 },
                 seconds=time.monotonic() - started,
-                time_split=self._time_split(),
+                time_split=self._time_split(first_step),
+                resumed_from=self.resumed_from,
+                interruptions=self.journal.read(),
             )
 
-    def _pids(self) -> dict[str, int]:
+    async def _llm_resource(self, proxy_url: str) -> str:
+        """The agents' LLM (the proxy), under one id for the whole run: a resumed run, whose proxy listens
+        elsewhere, updates it, so the rollouts already queued with it reach the new proxy."""
+        cfg = self.config
+        resources = {
+            "llm": ProxyLLM(
+                endpoint=f"{proxy_url}/v1",
+                model=cfg.model.served_name,
+                sampling_parameters={
+                    "temperature": cfg.sampling.temperature,
+                    "top_p": cfg.sampling.top_p,
+                    "max_tokens": cfg.sampling.max_tokens,
+                },
+            )
+        }
+        rid = f"{cfg.experiment.name}-llm"
+        try:
+            return (await self.store.add_resources(resources, rid)).resources_id
+        except AlreadyExistsError:  # this run's, from an earlier invocation
+            return (await self.store.update_resources(rid, resources)).resources_id
+
+    async def _report(self, step: int, metrics: Mapping[str, float]) -> None:
+        """The step, and the interruptions recovered since the last report, to TrainerService."""
+        interruptions = self.journal.take_unreported()
+        await again(
+            "report_step",
+            lambda: self.trainer.report_step(
+                step,
+                self.policy_version,
+                metrics,
+                run_id=self.config.experiment.name,
+                interruptions=interruptions,
+            ),
+        )
+
+    def _pids(self) -> dict[str, list[int]]:
         assert self.services is not None
-        pids = {"trainer": psutil.Process().pid}
-        for process in self.services.started:
-            pids[process.name] = process.proc.pid
+        pids: dict[str, list[int]] = {"trainer": [psutil.Process().pid]}
+        for child in self.services.children:  # runners-0, runners-1, ... as one: runners
+            name = child.name.split("-", 1)[0] if child.name.startswith("runners") else child.name
+            pids.setdefault(name, []).append(child.process.proc.pid)
         return pids
 
     # ------------------------------------------------------------ one step
@@ -362,30 +682,28 @@ class TrainingRun:
         sync = cfg.experiment.mode == "sync"
         wanted = cfg.data.batch_size if sync else cfg.experiment.async_groups - len(in_flight)
         groups = await self.submit(
-            self.train_tasks, step, max(0, wanted), cfg.data.group_size, "train", f"s{step}"
+            self.train_tasks, step, max(0, wanted), cfg.data.group_size, "train", f"s{self._step_tag(step)}"
         )
         in_flight.extend(groups)
         min_version = None if sync else max(0, self.policy_version - cfg.experiment.max_staleness)
         t1 = time.perf_counter()
         if sync:  # generation apart from the data path: wait for every rollout of the step first
             ids = [f"{gid}-r{i}" for gid in groups for i in range(cfg.data.group_size)]
-            await self.store.wait_for_rollouts(ids, timeout=3600)
+            await again("wait_for_rollouts", lambda: self.store.wait_for_rollouts(ids, timeout=3600))
         t_generated = time.perf_counter()
-        batch = await self.trainer.get_batch(
-            min_groups=cfg.data.batch_size,
-            max_groups=cfg.data.batch_size,
-            wait=60 if sync else 3600,
-            request_id=f"{cfg.experiment.name}-b{step}",
-            pad_token_id=self._pad_id(),
-            max_prompt_length=cfg.data.max_prompt_length,
-            max_response_length=cfg.data.max_response_length,
-            aggregation=cfg.data.aggregation,
-            failure_policy=cfg.data.failure_policy,
-            fill_reward=cfg.data.fill_reward,
-            min_policy_version=min_version,
+        batch = await self._take_batch(
+            f"{cfg.experiment.name}-b{self._step_tag(step)}", cfg.data.batch_size, sync, min_version
         )
+        await self._check_not_all_failed(step, batch)
         for gid in batch.group_ids:
-            in_flight.remove(gid)
+            if gid in in_flight:  # (a batch asked again after a resume holds the same groups)
+                in_flight.remove(gid)
+        sampled: dict[str, float] = {}
+        rounds_seconds = 0.0  # sync: the extra generation rounds of dynamic sampling (counted as generation)
+        if cfg.data.filter_groups:  # flat groups set aside, the missing ones drawn (sync: generated) again
+            t_rounds = time.perf_counter()
+            batch, sampled = await self._filter_groups(step, batch, in_flight, sync, min_version)
+            rounds_seconds = time.perf_counter() - t_rounds
         t2 = time.perf_counter()
         if self.backend is not None:
             metrics, t3 = await self._backend_update(batch, step)
@@ -400,7 +718,9 @@ class TrainingRun:
             self.policy_version = self.learner.step
             await self.publish_weights(pause=sync)
         t4 = time.perf_counter()
+        metrics.update(sampled)  # with filter_groups: the reward metrics of every group generated
         metrics.update(self._truncated_responses(batch))
+        metrics.update(self.temperatures(batch.arrays))
         metrics.update({f"drop_{reason}": float(count) for reason, count in batch.drops.items()})
         metrics.update({f"trajectory_fallback_{reason}": float(n) for reason, n in batch.fallbacks.items()})
         metrics.update(
@@ -410,13 +730,130 @@ class TrainingRun:
                 "batch_rows": float(len(batch)),
                 "step_seconds": t4 - t0,
                 # sync: rollouts until every group ended; async: waiting for the batch (data path included)
-                "generation_seconds": t_generated - t1 if sync else t2 - t1,
-                "data_path_seconds": t2 - t_generated if sync else 0.0,
+                "generation_seconds": t_generated - t1 + rounds_seconds if sync else t2 - t1,
+                "data_path_seconds": t2 - t_generated - rounds_seconds if sync else 0.0,
                 "update_seconds": t3 - t2,
                 "weight_sync_seconds": t4 - t3,
             }
         )
         return metrics
+
+    def _step_tag(self, step: int) -> str:
+        """What the step's group and batch ids carry: its number, and for a step drawn anew after every rollout
+        of it failed, how often (``7-again1``)."""
+        return f"{step}-again{self.redraw}" if step == self.redraw_step else str(step)
+
+    async def _check_not_all_failed(self, step: int, batch: TrainingBatch) -> None:
+        """A step where every rollout failed trains nothing, and no later step would do better: an error that
+        says what the rollouts' last attempts reported."""
+        failed = sum(n for reason, n in batch.drops.items() if reason in FAILURE_DROPS)
+        if len(batch) or not failed or sum(batch.drops.values()) != failed:
+            return
+        failed = batch.drops.get("rollout_failed", 0) or failed
+        said: list[str] = []
+        for gid in batch.group_ids[:3]:
+            attempt = await again(
+                "get_latest_attempt", functools.partial(self.store.get_latest_attempt, gid + "-r0")
+            )
+            if attempt is not None:
+                said.append(
+                    f"  {attempt.rollout_id}: {attempt.status.name.lower()}: {attempt.status_message or '-'}"
+                )
+        raise StepFailed(
+            step,
+            f"step {step}: every rollout failed ({failed} dropped: "
+            + ", ".join(f"{r} {n}" for r, n in sorted(batch.drops.items()))
+            + "); nothing to train on. What their last attempts said:\n"
+            + "\n".join(said or ["  (no attempt recorded)"])
+            + "\n`lightning-grpc rollouts --status failed` lists them; the dashboard shows each attempt's spans.",
+        )
+
+    async def _take_batch(
+        self, request_id: str, groups: int, sync: bool, min_version: int | None
+    ) -> TrainingBatch:
+        """``groups`` whole groups from TrainerService under ``request_id`` (asked again: the same groups)."""
+        cfg = self.config
+        return await again(
+            "get_batch",
+            lambda: self.trainer.get_batch(
+                min_groups=groups,
+                max_groups=groups,
+                wait=60 if sync else 3600,
+                request_id=request_id,
+                pad_token_id=self._pad_id(),
+                max_prompt_length=cfg.data.max_prompt_length,
+                max_response_length=cfg.data.max_response_length,
+                aggregation=cfg.data.aggregation,
+                failure_policy=cfg.data.failure_policy,
+                fill_reward=cfg.data.fill_reward,
+                min_policy_version=min_version,
+            ),
+        )
+
+    #: The dynamic-sampling cap has been reported (once a run).
+    _filter_groups_capped_said = False
+
+    async def _filter_groups(
+        self, step: int, batch: TrainingBatch, in_flight: list[str], sync: bool, min_version: int | None
+    ) -> tuple[TrainingBatch, dict[str, float]]:
+        """Dynamic sampling (``[data] filter_groups``; DAPO, verl's ``algorithm.filter_groups``): the step's
+        batch without its groups of equal rewards, filled up over more generation rounds.
+
+        Round ``r`` (1, 2, ...) draws the groups still missing from the seeded plan (tag ``s{step}-r{r}``;
+        sync: submitted and played to the end; async: the groups in flight topped up to
+        ``experiment.async_groups``) and takes them as batch ``{name}-b{step}-r{r}``, until
+        ``data.batch_size`` groups with a reward spread are in or ``data.max_num_gen_batches`` rounds were
+        played; then the step trains on what it has (said once a run). Every group set aside was taken by
+        its round's batch, so none enters another; a repeated step asks the same ids and gets the same
+        groups, so it makes the same choices. Returns the batch to train on and the step's metrics
+        (:meth:`.GenerationRounds.metrics`).
+        """
+        cfg = self.config
+        rounds = GenerationRounds(cfg.data.batch_size, cfg.data.max_num_gen_batches)
+        rounds.add(batch)
+        while rounds.more:
+            tag = f"s{self._step_tag(step)}-r{rounds.rounds}"
+            if sync:
+                missing = rounds.missing
+                groups = await self.submit(self.train_tasks, step, missing, cfg.data.group_size, "train", tag)
+                in_flight.extend(groups)
+                ids = [f"{gid}-r{i}" for gid in groups for i in range(cfg.data.group_size)]
+                wait = functools.partial(self.store.wait_for_rollouts, ids, timeout=3600)
+                await again("wait_for_rollouts", wait)
+            else:
+                topped = max(0, cfg.experiment.async_groups - len(in_flight))
+                in_flight.extend(
+                    await self.submit(self.train_tasks, step, topped, cfg.data.group_size, "train", tag)
+                )
+            more = await self._take_batch(
+                f"{cfg.experiment.name}-b{self._step_tag(step)}-r{rounds.rounds}",
+                rounds.missing,
+                sync,
+                min_version,
+            )
+            for gid in more.group_ids:
+                if gid in in_flight:
+                    in_flight.remove(gid)
+            rounds.add(more)
+        if rounds.capped and not self._filter_groups_capped_said:
+            self._filter_groups_capped_said = True
+            message = (
+                f"dynamic sampling reached data.max_num_gen_batches = {rounds.limit} at step {step} with "
+                f"{rounds.kept} of {rounds.wanted} groups with a reward spread ({rounds.filtered} groups of "
+                "equal rewards set aside): the step trains on those it has (metric filter_groups_capped; said "
+                "once a run). Raise data.max_num_gen_batches, or see the no-learning-signal remedies."
+            )
+            log.warning(
+                "event=filter_groups_capped step=%d kept_groups=%d batch_size=%d gen_batches=%d "
+                "filtered_groups=%d",
+                step,
+                rounds.kept,
+                rounds.wanted,
+                rounds.rounds,
+                rounds.filtered,
+            )
+            self.say(f"warning: {message}")
+        return rounds.batch(pad_token_id=self._pad_id()), rounds.metrics(cfg.validation.solved_at)
 
     def _truncated_responses(self, batch: TrainingBatch) -> dict[str, float]:
         """The share of rows cut at sampling.max_tokens (what the watcher's max_tokens condition reads).
@@ -464,20 +901,37 @@ class TrainingRun:
         """``groups`` GRPO groups of tasks drawn for this step (seeded), with ids that name the step."""
         if groups <= 0:
             return []
-        rng = random.Random(f"{self.config.experiment.seed}-{tag}")
-        chosen = [tasks[i % len(tasks)] for i in rng.sample(range(max(groups, len(tasks))), groups)]
         from lightning_grpc.batching import GroupSample
 
-        samples = [
-            GroupSample(task, f"{self.config.experiment.name}-{tag}-g{i}") for i, task in enumerate(chosen)
-        ]
-        submitted = await self.trainer.submit_groups(
-            samples,
-            group_size,
-            mode=mode,
-            resources_id=self.resources_id,
-            config=RolloutConfig(timeout=300, unresponsive_timeout=120),
-            step=step,
+        name = self.config.experiment.name
+        if mode == "train":  # the seeded epochs of the plan: every task once per epoch
+            samples = [
+                GroupSample(tasks[self.plan.at(p)], f"{name}-{tag}-g{i}", self.plan.metadata(p))
+                for i, p in enumerate(self.plan.draw(groups))
+            ]
+        else:  # validation: its tasks in a seeded order of their own
+            rng = random.Random(f"{self.config.experiment.seed}-{tag}")
+            chosen = [tasks[i % len(tasks)] for i in rng.sample(range(max(groups, len(tasks))), groups)]
+            samples = [GroupSample(task, f"{name}-{tag}-g{i}") for i, task in enumerate(chosen)]
+        agent = self.config.agent
+        # an attempt whose runner (or the engine under it) died is tried again, its calls kept apart
+        retried = (AttemptStatus.FAILED, AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE)
+        rollout_config = RolloutConfig(
+            timeout=agent.rollout_timeout,
+            unresponsive_timeout=agent.unresponsive_timeout,
+            max_attempts=agent.max_attempts,
+            retry_on=retried if agent.max_attempts > 1 else (),
+        )
+        submitted = await again(  # idempotent: the group ids name the step
+            "submit_groups",
+            lambda: self.trainer.submit_groups(
+                samples,
+                group_size,
+                mode=mode,
+                resources_id=self.resources_id,
+                config=rollout_config,
+                step=step,
+            ),
         )
         return [g.group_id for g in submitted]
 
@@ -497,12 +951,14 @@ class TrainingRun:
         if engine is None:
             raise RuntimeError("no engine serves the policy: nothing to publish the weights to")
         path = self.learner.export_weights(self.out / "weights")
+        self.published = True
         if pause:
-            await self.proxy.pause("weight update")
-            await self.proxy.drain(timeout=120)
+            await again("pause", lambda: self.proxy.pause("weight update"))
+            await again("drain", lambda: self.proxy.drain(timeout=120))
             await engine.pause()
         try:
-            served = await engine.load_weights(path, self.policy_version)
+            # the engine may be coming back from a crash (the supervisor restarts it): wait and load again
+            served = await again("load_weights", lambda: engine.load_weights(path, self.policy_version))
             if not engine.reports_version:
                 await self.proxy.set_backends(
                     [
@@ -516,7 +972,7 @@ class TrainingRun:
         finally:
             if pause:
                 await engine.resume()
-                await self.proxy.resume()
+                await again("resume", self.proxy.resume)
 
     # ------------------------------------------------------------ validation
     async def validate(self, step: int) -> Validation:
@@ -526,41 +982,58 @@ class TrainingRun:
             self.val_tasks, step, len(self.val_tasks), cfg.validation.samples, "val", f"v{step}"
         )
         ids = [f"{gid}-r{i}" for gid in groups for i in range(cfg.validation.samples)]
-        await self.store.wait_for_rollouts(ids, timeout=600)
+        await again("wait_for_rollouts", lambda: self.store.wait_for_rollouts(ids, timeout=600))
         rewards: list[float] = []
         failed = 0
         transcript = ""
         for rid in ids:
-            spans = await self.store.query_spans(rid, "latest")
+            spans = await again("query_spans", functools.partial(self.store.query_spans, rid, "latest"))
             reward = final_reward(spans)
-            rollout = await self.store.get_rollout(rid)
+            rollout = await again("get_rollout", functools.partial(self.store.get_rollout, rid))
             if reward is None or rollout.status.name != "SUCCEEDED":
                 failed += 1
                 reward = 0.0  # evaluation counts a failure as no reward; training never does
             rewards.append(reward)
             if not transcript:
                 transcript = transcript_of(spans, reward)
-        await self.trainer.get_batch(
-            min_groups=len(groups), max_groups=len(groups), mode="val", wait=60, failure_policy="fill"
-        )  # hands the val groups out of the book; nothing trains on them
+        await again(  # hands the val groups out of the book; nothing trains on them
+            "get_batch",
+            lambda: self.trainer.get_batch(
+                min_groups=len(groups),
+                max_groups=len(groups),
+                mode="val",
+                wait=60,
+                failure_policy="fill",
+                request_id=f"{cfg.experiment.name}-v{step}",  # a resumed run asks again: the same answer
+            ),
+        )
         solved = sum(r >= cfg.validation.solved_at for r in rewards) / max(1, len(rewards))
         return Validation(sum(rewards) / max(1, len(rewards)), solved, failed, transcript)
 
     # ------------------------------------------------------------ checkpoints and output
     def checkpoint(self, step: int, *, final: bool = False) -> Path:
+        """The learner's state after ``step``, written whole or not at all (:func:`.recovery.write_atomically`:
+        a kill during the write leaves the previous checkpoint the latest)."""
         if self.learner is None:  # the backend checkpoints itself
             assert self.backend is not None
             return self.backend.checkpoint_dir
-        extra = {"policy_version": self.policy_version, "experiment": self.config.experiment.name}
+        learner = self.learner
+        extra = {
+            "policy_version": self.policy_version,
+            "experiment": self.config.experiment.name,
+            # as the last whole step left them (an interrupted step's draws are made again on resume):
+            # async mode's groups submitted and not yet trained, and how far the task plan got
+            "in_flight": list(self._step_end[1]),
+            "tasks_drawn": self._step_end[0],
+        }
         if final:
-            path = self.out / "final"
-            if path.exists():
-                shutil.rmtree(path)
-            return self.learner.save_checkpoint(path, extra)
-        path = self.learner.save_checkpoint(self.out / "checkpoints" / f"step-{step:06d}", extra)
-        kept = sorted((self.out / "checkpoints").glob("step-*"))
-        for old in kept[: max(0, len(kept) - max(1, self.config.checkpoint.keep))]:
-            shutil.rmtree(old)
+            return recovery.write_atomically(self.out / "final", lambda p: learner.save_checkpoint(p, extra))
+        folder = self.out / recovery.CHECKPOINTS
+        folder.mkdir(parents=True, exist_ok=True)
+        path = recovery.write_atomically(
+            folder / f"step-{step:06d}", lambda p: learner.save_checkpoint(p, extra)
+        )
+        recovery.prune(self.out, self.config.checkpoint.keep)
         return path
 
     def _bar(self, first_step: int) -> Any:
@@ -576,7 +1049,7 @@ class TrainingRun:
         )
 
     def _show(self, bar: Any, step: int, metrics: Mapping[str, float]) -> None:
-        line = summary_line(step, metrics, PRINTED)
+        line = summary_line(step, metrics, self._printed())
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(
@@ -585,6 +1058,14 @@ class TrainingRun:
             bar.write(line)
         else:
             self.say(line)
+
+    def _printed(self) -> tuple[str, ...]:
+        """The step line's metrics; pg_clipfrac only where it can be non-zero: more than one optimiser step per
+        training step, or a ratio against the engine's log-probs (else the ratio is 1: see docs/metrics.md)."""
+        optim = self.config.optim
+        if optim.ppo_epochs > 1 or optim.mini_batch_rollouts > 0 or optim.old_log_probs == "rollout":
+            return PRINTED
+        return tuple(name for name in PRINTED if name != "pg_clipfrac")
 
     # ------------------------------------------------------------ no learning signal
     def _watch_signal(self, step: int, metrics: dict[str, float]) -> list[Stall]:
@@ -614,11 +1095,12 @@ class TrainingRun:
         names = ", ".join(self.signal.stalled())
         return f"no learning signal ({names}) for {self.signal.window} steps in a row (stop_when_stalled)"
 
-    def _time_split(self) -> dict[str, float]:
-        """Seconds spent per part over the run (sums of the per-step figures)."""
-        names = [k for k in self.metrics.rows[-1] if k.endswith("_seconds")] if self.metrics.rows else []
+    def _time_split(self, first_step: int) -> dict[str, float]:
+        """Seconds spent per part over this invocation's steps (sums of the per-step figures)."""
+        rows = [r for r in self.metrics.rows if float(r.get("step", 0)) >= first_step]
+        names = [k for k in rows[-1] if k.endswith("_seconds")] if rows else []
         return {
-            name: sum(float(r.get(name, 0.0)) for r in self.metrics.rows if isinstance(r.get(name), float))
+            name: sum(float(r.get(name, 0.0)) for r in rows if isinstance(r.get(name), float))
             for name in names
         }
 

@@ -32,8 +32,8 @@ FLAT_GROUPS_CAUSES = (
 FLAT_GROUPS_REMEDIES = (
     "Try: raise sampling.temperature; raise ppo.entropy_coeff (entropy bonus) or ppo.clip_ratio_high"
     " (clip-higher) to keep the policy exploring; raise data.group_size; change the reward so that it"
-    " tells better answers from worse (partial credit). There is no dynamic-sampling option that skips"
-    " flat groups: they stay in the batch with zero advantage."
+    " tells better answers from worse (partial credit); or skip the flat groups: data.filter_groups = true"
+    " (dynamic sampling) sets them aside and draws other groups, up to data.max_num_gen_batches rounds a step."
 )
 
 REMEDIES = {

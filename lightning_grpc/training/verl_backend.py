@@ -29,6 +29,7 @@ import numpy as np
 from lightning_grpc.batching.tensors import INDEX_ARRAYS
 from lightning_grpc.processes import start_ray
 
+from .dynamic_sampling import VERL_METRIC as VERL_FILTER_METRIC
 from .experiment import ConfigError, ExperimentConfig
 
 if TYPE_CHECKING:  # the client module imports gRPC; only its batch type is needed here
@@ -131,6 +132,12 @@ def verl_overrides(config: ExperimentConfig) -> list[str]:
         "algorithm.norm_adv_by_std_in_grpo": c.ppo.norm_adv_by_std_in_grpo,
         "algorithm.use_kl_in_reward": False,
         "algorithm.rollout_correction.bypass_mode": c.optim.old_log_probs == "rollout",
+        # dynamic sampling, under verl's names; our loop does it (data.filter_groups: its batches come from
+        # TrainerService, each round's groups filtered by their final reward), so this states what the run does
+        "algorithm.filter_groups._target_": "verl.trainer.config.FilterGroupsConfig",
+        "algorithm.filter_groups.enable": c.data.filter_groups,
+        "algorithm.filter_groups.metric": VERL_FILTER_METRIC,
+        "algorithm.filter_groups.max_num_gen_batches": c.data.max_num_gen_batches,
         # the run: our loop validates, verl checkpoints its actor
         "trainer.total_training_steps": c.experiment.steps,
         "trainer.n_gpus_per_node": c.verl.n_gpus_per_node,

@@ -29,6 +29,7 @@ from lightning_grpc.training.experiment import (
     load_experiment,
 )
 from lightning_grpc.training.loop import TrainingRun, run_experiment
+from lightning_grpc.training.metrics import undocumented
 from lightning_grpc.types import RolloutMode, RolloutStatus
 from tests.conftest import ROOT
 from tests.engine_fixtures import CLI, QUIET_ENV
@@ -65,6 +66,15 @@ def rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def assert_documented(history: list[dict[str, str]]) -> None:
+    """Every column the run wrote to metrics.csv says what it is in METRICS (docs/metrics.md's table)."""
+    missing = undocumented({name for row in history for name in row})
+    assert not missing, (
+        f"metrics.csv columns missing from METRICS in lightning_grpc/training/metrics.py: {missing}"
+        " (add each, or its family, then run make docs-reference)"
+    )
+
+
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "two-fsdp-ranks"])
 def test_a_short_run_improves_the_reward_over_the_untrained_model(
     tmp_path: Path, tiny_model: Path, ranks: int
@@ -84,6 +94,7 @@ def test_a_short_run_improves_the_reward_over_the_untrained_model(
     )
     result = run_experiment(config, progress=False)
     history = rows(config.output_dir / "metrics.csv")
+    assert_documented(history)  # validation, and with two ranks each rank's figures
     first = sum(float(r["reward_mean"]) for r in history[:3]) / 3  # untrained: the first steps
     last = sum(float(r["reward_mean"]) for r in history[-5:]) / 5
     assert last >= first + 0.2, (first, last)
@@ -120,6 +131,7 @@ def test_async_mode_carries_groups_over_and_drops_stale_calls(tmp_path: Path, ti
     )
     run_experiment(config, progress=False)
     history = rows(config.output_dir / "metrics.csv")
+    assert_documented(history)  # drop_stale_policy among them
     assert sum(float(r["carried_over_groups"]) for r in history) > 0
     assert sum(float(r.get("drop_stale_policy") or 0) for r in history) > 0
 
@@ -219,15 +231,36 @@ def test_an_agent_command_that_cannot_start_is_named(tmp_path: Path, tiny_model:
         run_experiment(config, progress=False)
 
 
+SPREAD_AGENT = '''
+from lightning_grpc.examples.combination_lock import call_seed
+from lightning_grpc.runner.llm import openai_client
+
+
+async def agent(task, llm, rollout):
+    """One call to the policy, seeded by the rollout (a resumed run samples the same tokens); the reward is
+    the rollout's place in its group (its id ends in -r<index>)."""
+    await openai_client(llm).chat.completions.create(
+        model=llm.model,
+        messages=[{"role": "user", "content": "Say anything."}],
+        max_tokens=2,
+        seed=call_seed(rollout.rollout_id, 0),
+    )
+    return float(rollout.rollout_id.rsplit("-r", 1)[1]) / 4
+'''
+
+
 def test_learner_ranks_train_as_fsdp_ranks_placed_by_ray_and_resume(tmp_path: Path, tiny_model: Path) -> None:
     """``[learner] ranks = 2``: the update runs on two FSDP ranks (Ray actors in a placement group, gloo);
     the engine serves each step's weights, checkpoints are sharded, and a run resumed from one continues
     exactly as the uninterrupted run did (every rank's weights, optimiser and step restored)."""
     pytest.importorskip("ray")
+    # every group has a reward spread (a lock's first steps may have none): each update moves the weights
+    (tmp_path / "spread_agent.py").write_text(SPREAD_AGENT)
     sections: dict[str, Any] = {
         "learner": {"ranks": 2},
         "checkpoint": {"every": 2, "keep": 5},
         "validation": {"every": 0, "samples": 1},
+        "agent": {"agent": f"{tmp_path / 'spread_agent.py'}:agent", "val_tasks": ""},
     }
     config = experiment(tmp_path, tiny_model, **sections)
     result = run_experiment(config, progress=False)
@@ -363,5 +396,43 @@ def test_a_run_whose_reward_is_constant_warns_and_stops_when_stalled(
     logged = [r.getMessage() for r in caplog.records if "event=training_no_signal" in r.getMessage()]
     assert any("condition=zero_variance" in m for m in logged), logged
     history = rows(config.output_dir / "metrics.csv")
+    assert_documented(history)  # stalled_<condition> among them
     assert [float(r["stalled_zero_variance"]) for r in history] == [0.0, 1.0]
     assert all(0.0 <= float(r["truncated_responses"]) <= 1.0 for r in history)  # what max_tokens reads
+
+
+OWN_TEMPERATURE_AGENT = '''
+from lightning_grpc.runner.llm import openai_client
+
+
+async def agent(task, llm):
+    """Sets its own temperature, as agents often do, instead of llm.sampling_parameters."""
+    await openai_client(llm).chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": "Say anything."}], max_tokens=2, temperature=0.7
+    )
+    return 0.5
+'''
+
+
+def test_an_agent_with_its_own_temperature_is_trained_at_it_and_the_run_says_so(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The proxy records each call's temperature; the batch carries it per row, the learner uses it, and the
+    run warns once that the calls were not sampled at sampling.temperature."""
+    (tmp_path / "own_temperature_agent.py").write_text(OWN_TEMPERATURE_AGENT)
+    config = experiment(
+        tmp_path,
+        tiny_model,
+        experiment={"steps": 2, "stall_window": 0},
+        agent={"agent": f"{tmp_path / 'own_temperature_agent.py'}:agent", "val_tasks": ""},
+        data={"group_size": 2, "batch_size": 2},
+    )
+    said: list[str] = []
+    asyncio.run(TrainingRun(config, progress=False, say=said.append).run())
+    warnings = [line for line in said if "temperature 0.7" in line and "sampling.temperature = 1" in line]
+    assert len(warnings) == 1, said
+    history = rows(config.output_dir / "metrics.csv")
+    assert [float(r["temperature_mismatch_rows"]) for r in history] == [4.0, 4.0]
+    assert all(
+        float(r["temperature_min"]) == pytest.approx(0.7) == float(r["temperature_max"]) for r in history
+    )

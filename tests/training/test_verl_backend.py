@@ -76,6 +76,15 @@ def test_the_demo_experiment_becomes_a_config_verls_classes_accept() -> None:
     assert rollout.n == 8 and rollout.temperature == 1.0 and rollout.name == "vllm"
     assert cfg.data.train_batch_size == 16 and cfg.trainer.total_training_steps == 200
     assert Path(cfg.actor_rollout_ref.model.path) == config.path(config.model.path).resolve()
+    assert algorithm.filter_groups.enable is False
+
+
+def test_dynamic_sampling_becomes_verls_filter_groups() -> None:
+    config = load_experiment(DEMO, {"data.filter_groups": True, "data.max_num_gen_batches": 3})
+    algorithm = omega_conf_to_dataclass(verl_config(config).algorithm)
+    assert type(algorithm.filter_groups).__name__ == "FilterGroupsConfig"
+    assert algorithm.filter_groups.enable is True and algorithm.filter_groups.max_num_gen_batches == 3
+    assert algorithm.filter_groups.metric == "seq_final_reward"
 
 
 def test_what_verl_cannot_run_is_refused_with_the_key() -> None:

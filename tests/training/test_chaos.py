@@ -1,0 +1,318 @@
+"""A training run killed anywhere: kill -9 of the store server, the engine, a runner and the trainer itself,
+one after another, in a real `lightning-grpc train` run. The children come back by themselves, the trainer by
+running its command again; then the Store and the run's records are checked: every task drawn as the
+seeded plan says, no rollout in two batches, no batch trained twice, whole groups, a retried attempt's calls
+apart from the crashed one's, and the final weights equal to those of the same run never interrupted.
+
+Also here: Ctrl-C (SIGINT to the process group, as a terminal sends it) stops cleanly with a checkpoint and
+exit 130, and a step where every rollout failed is an error that says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from lightning_grpc.batching.groups import BATCH_KEY
+from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
+from lightning_grpc.examples.combination_lock import train_tasks, write_jsonl
+from lightning_grpc.processes import Background, log_field
+from lightning_grpc.training.plan import PLAN_EPOCH_KEY, PLAN_POSITION_KEY, PLAN_TASK_KEY
+from lightning_grpc.types import RolloutMode
+from tests.conftest import ROOT
+from tests.engine_fixtures import CLI, QUIET_ENV
+
+pytestmark = pytest.mark.timeout(900)
+
+STEPS, GROUPS, GROUP_SIZE = 8, 6, 4
+
+CONFIG = """
+[experiment]
+name = "chaos"
+output_dir = "{out}"
+seed = 0
+steps = {steps}
+mode = "sync"
+
+[agent]
+agent = "lightning_grpc.examples.combination_lock:agent"
+train_tasks = "train.jsonl"
+processes = 2
+concurrency = 32
+unresponsive_timeout = 3
+
+[model]
+path = "{model}"
+
+[data]
+group_size = {group_size}
+batch_size = {groups}
+
+[sampling]
+max_tokens = 2
+
+[optim]
+lr = 5e-3
+
+[ppo]
+loss_agg_mode = "per-rollout-mean"
+
+[validation]
+every = 0
+
+[checkpoint]
+every = 3
+keep = 2
+
+[services]
+restart_backoff = 0.2
+"""
+
+
+def write_run(folder: Path, model: Path, out: str, steps: int = STEPS) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(train_tasks(), folder / "train.jsonl")
+    path = folder / "config.toml"
+    path.write_text(CONFIG.format(out=out, model=model, steps=steps, groups=GROUPS, group_size=GROUP_SIZE))
+    return path
+
+
+class Run:
+    """``lightning-grpc train`` as a terminal starts it: its own session and process group."""
+
+    def __init__(self, config: Path) -> None:
+        self.log = config.parent / f"run-{time.monotonic_ns()}.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [*CLI, "train", str(config), "--no-progress"],
+                cwd=ROOT,
+                env=QUIET_ENV,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for_step(self, step: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while f"step {step:4d} " not in self.text():
+            assert self.proc.poll() is None, f"the run ended (code {self.proc.returncode}):\n{self.text()}"
+            assert time.monotonic() < deadline, f"no step {step} after {timeout:.0f} s:\n{self.text()}"
+            time.sleep(0.2)
+
+    def child(self, word: str) -> psutil.Process:
+        """The trainer's child whose command line holds ``word`` (serve, engine, runner)."""
+        return next(c for c in psutil.Process(self.proc.pid).children() if word in c.cmdline())
+
+    def wait(self, timeout: float = 300) -> int:
+        return self.proc.wait(timeout)
+
+
+def journal(out: Path) -> list[dict[str, Any]]:
+    path = out / "interruptions.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_recovery(out: Path, process: str, count: int, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [i for i in journal(out) if i["process"] == process]
+        if len(found) >= count:
+            return found[-1]
+        assert time.monotonic() < deadline, f"no recovery of {process} in {timeout:.0f} s: {journal(out)}"
+        time.sleep(0.2)
+
+
+def kill(process: psutil.Process) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait(10)
+
+
+async def read_store(db: Path) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+    """The training rollouts of a run's store file (grouped by group id), and their triplet reports."""
+    server = Background(
+        "server", [*CLI[1:], "serve", "--db", str(db), "--port", "0", "--no-dashboard"], QUIET_ENV
+    )
+    try:
+        address = log_field(server.wait_for("event=server_started", timeout=60)[0], "address")
+        config = ClientConfig(target=address)
+        async with StoreClient(config) as store, TrainerClient(config) as trainer:
+            groups: dict[str, list[Any]] = defaultdict(list)
+            token = ""
+            while True:
+                page = await store.list_rollouts(mode=RolloutMode.TRAIN, page_size=500, page_token=token)
+                for rollout in page.items:
+                    groups[rollout.group_id].append(rollout)
+                token = page.next_page_token
+                if not token:
+                    break
+            retried: dict[str, Any] = {}
+            for members in groups.values():
+                for rollout in members:
+                    attempts = (await store.list_attempts(rollout.rollout_id)).items
+                    if len(attempts) > 1:
+                        report = await trainer.triplets(rollout.rollout_id)
+                        earlier = [
+                            s.span_id
+                            for a in attempts[:-1]
+                            for s in await store.query_spans(rollout.rollout_id, a.attempt_id)
+                        ]
+                        retried[rollout.rollout_id] = (attempts, report, earlier)
+            return dict(groups), retried
+    finally:
+        server.stop(10)
+
+
+def final_weights(out: Path) -> dict[str, Any]:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def test_a_run_killed_anywhere_ends_as_the_run_never_interrupted(tmp_path: Path, tiny_model: Path) -> None:
+    config = write_run(tmp_path / "chaos", tiny_model, "out")
+    out = config.parent / "out"
+    run = Run(config)
+    run.wait_for_step(1)
+    kill(run.child("serve"))
+    wait_for_recovery(out, "server", 1)
+    run.wait_for_step(3)
+    kill(run.child("engine"))
+    wait_for_recovery(out, "engine", 1)
+    run.wait_for_step(4)
+    kill(run.child("runner"))
+    wait_for_recovery(out, "runners-0", 1)
+    run.wait_for_step(7)
+    children = psutil.Process(run.proc.pid).children()
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.wait()
+    _, alive = psutil.wait_procs(children, timeout=15)  # its children stop with it
+    assert not alive, [c.cmdline() for c in alive]
+
+    again = Run(config)  # the same command: it resumes by itself
+    assert again.wait() == 0, again.text()
+    text = again.text()
+    assert "resuming from" in text and "step-000006" in text
+    assert "stopped after 2 steps of this invocation (resumed after step 6)" in text
+    kinds = [i["process"] for i in journal(out)]
+    assert kinds == ["server", "engine", "runners-0", "trainer"], journal(out)
+    trainer_entry = journal(out)[-1]
+    assert "steps 7-7 redone from their stored batches" in trainer_entry["recovery"]
+    assert all(i["recovery_seconds"] > 0 for i in journal(out))
+
+    reference = write_run(tmp_path / "reference", tiny_model, "out")
+    done = subprocess.run(
+        [*CLI, "train", str(reference), "--no-progress"],
+        cwd=ROOT,
+        env=QUIET_ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    # the weights: bit-exact with the run that was never interrupted
+    chaos, calm = final_weights(out), final_weights(reference.parent / "out")
+    assert chaos.keys() == calm.keys()
+    assert all(chaos[name].equal(calm[name]) for name in chaos)
+
+    # the metrics: each step once
+    metrics = (out / "metrics.csv").read_text().splitlines()
+    assert [line.split(",")[0] for line in metrics[1:]] == [str(s) for s in range(1, STEPS + 1)]
+
+    groups, retried = asyncio.run(read_store(out / "store.db"))
+    calm_groups, _ = asyncio.run(read_store(reference.parent / "out" / "store.db"))
+    # every step's groups, taken whole by that step's batch, by no other
+    assert sorted(groups) == sorted(f"chaos-s{s}-g{i}" for s in range(1, STEPS + 1) for i in range(GROUPS))
+    for group_id, members in groups.items():
+        step = group_id.split("-s", 1)[1].split("-", 1)[0]
+        assert len(members) == GROUP_SIZE
+        assert {r.metadata.get(BATCH_KEY) for r in members} == {f"chaos-b{step}"}, group_id
+    # the tasks: drawn as the seeded plan says, each once an epoch, the same as the uninterrupted run's
+    plan = sorted(
+        (m[0].metadata[PLAN_POSITION_KEY], m[0].metadata[PLAN_TASK_KEY], g) for g, m in groups.items()
+    )
+    assert [p for p, _, _ in plan] == list(range(STEPS * GROUPS))
+    epochs: dict[int, list[int]] = defaultdict(list)
+    for _, task, group_id in plan:
+        epochs[groups[group_id][0].metadata[PLAN_EPOCH_KEY]].append(task)
+    tasks = len(train_tasks())
+    assert all(len(set(drawn)) == len(drawn) for drawn in epochs.values())
+    assert all(sorted(drawn) == list(range(tasks)) for e, drawn in epochs.items() if e < max(epochs))
+    assert {g: (m[0].input, m[0].metadata[PLAN_POSITION_KEY]) for g, m in groups.items()} == {
+        g: (m[0].input, m[0].metadata[PLAN_POSITION_KEY]) for g, m in calm_groups.items()
+    }
+    # attempts cut short by the kills were tried again; what trains is the last attempt's calls alone
+    assert retried, "no attempt was retried: the kills hit no rollout in flight"
+    for attempts, report, earlier in retried.values():
+        assert report.attempt_id == attempts[-1].attempt_id
+        assert report.triplets and not {t.span_id for t in report.triplets} & set(earlier)
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_the_same_command_resumes(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    config = write_run(tmp_path, tiny_model, "out", steps=40)
+    run = Run(config)
+    run.wait_for_step(2)
+    os.killpg(run.proc.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C
+    assert run.wait(120) == 130, run.text()
+    text = run.text()
+    stopped = int(text.split("interrupted after step ", 1)[1].split(":", 1)[0])
+    assert stopped >= 2 and f"checkpoint {tmp_path / 'out' / 'checkpoints' / f'step-{stopped:06d}'}" in text
+    assert "to resume, run the same command again: lightning-grpc train" in text
+    assert "Traceback" not in text and "UNAVAILABLE" not in text
+    state = json.loads((tmp_path / "out" / "run_state.json").read_text())
+    assert state["status"] == "interrupted" and state["step"] == stopped
+    config.write_text(config.read_text().replace("steps = 40", f"steps = {stopped + 1}"))
+    again = Run(config)
+    assert again.wait() == 0, again.text()
+    assert f"resumed after step {stopped}" in again.text()
+    assert "stopped by a signal" in journal(tmp_path / "out")[-1]["cause"]
+
+
+STEP_TWO_FAILS = '''
+from lightning_grpc.examples.combination_lock import agent as lock
+
+
+async def agent(task, llm, rollout):
+    """The lock's agent, except that every rollout of step 2's first draw fails (as under an outage)."""
+    if "-s2-g" in rollout.rollout_id:
+        raise RuntimeError("the tool server refused the connection")
+    return await lock(task, llm, rollout)
+'''
+
+
+def test_a_step_where_every_rollout_failed_is_an_error_and_the_same_command_draws_it_anew(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    config = write_run(tmp_path, tiny_model, "out", steps=3)
+    (tmp_path / "step_two_fails.py").write_text(STEP_TWO_FAILS)
+    text = config.read_text().replace(
+        'agent = "lightning_grpc.examples.combination_lock:agent"', 'agent = "step_two_fails:agent"'
+    )
+    config.write_text(text.replace("every = 3", "every = 1").replace("processes = 2", "processes = 1"))
+    command = [*CLI, "train", str(config), "--no-progress"]
+    first = subprocess.run(command, cwd=tmp_path, env=QUIET_ENV, capture_output=True, text=True, timeout=300)
+    # the error says what the rollouts' attempts said, without a traceback
+    assert first.returncode == 1 and "error: step 2: every rollout failed" in first.stderr, first.stderr
+    assert "the tool server refused the connection" in first.stderr and "Traceback" not in first.stderr
+    state = json.loads((tmp_path / "out" / "run_state.json").read_text())
+    assert (state["status"], state["step"], state["failed_step"]) == ("failed", 1, 2)
+    again = subprocess.run(command, cwd=tmp_path, env=QUIET_ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    entry = journal(tmp_path / "out")[-1]
+    assert entry["process"] == "trainer" and entry["cause"].startswith("stopped on an error: step 2: every")
+    assert "step 2, where every rollout had failed, drawn anew" in entry["recovery"]
+    metrics = (tmp_path / "out" / "metrics.csv").read_text().splitlines()
+    assert [line.split(",")[0] for line in metrics[1:]] == ["1", "2", "3"]
