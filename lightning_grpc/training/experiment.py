@@ -17,6 +17,7 @@ import enum
 import importlib.util
 import json
 import os
+import re
 import sys
 import textwrap
 import tomllib
@@ -126,6 +127,12 @@ class ExperimentSection(_Section):
 
     def rules(self) -> list[tuple[str, bool, str]]:
         return [
+            (
+                "name",
+                re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", self.name) is not None,
+                "must be 1-64 letters, digits, '.', '_', ':' or '-', starting with a letter or digit (it names the "
+                f"run's rollouts, batches and resources in the store), got {self.name!r}",
+            ),
             ("steps", self.steps >= 1, "must be at least 1"),
             ("max_staleness", self.max_staleness >= 0, "must be at least 0"),
             ("stall_window", self.stall_window >= 0, "must be at least 0 (0: no watch)"),

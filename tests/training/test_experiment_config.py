@@ -178,3 +178,19 @@ def test_every_example_config_loads(path: Path) -> None:
 
 def test_there_are_example_configs() -> None:
     assert len(EXAMPLES) >= 3
+
+
+@pytest.mark.parametrize("name", ["lr1e-3+clip", "-lock", "", "a" * 65, "two words"])
+def test_a_run_name_the_store_cannot_use_in_ids_is_refused_by_name(name: str, tmp_path: Path) -> None:
+    """The name goes into every group, batch and resources id: one the store refuses is a config error."""
+    (tmp_path / "t.jsonl").write_text("{}\n")
+    (tmp_path / "model").mkdir()
+    raw = {
+        "experiment": {"name": name},
+        "agent": {"agent": "m:agent", "train_tasks": "t.jsonl"},
+        "model": {"path": "model"},
+    }
+    with pytest.raises(ConfigError, match=r"experiment\.name must be 1-64 letters"):
+        experiment_from_dict(raw, base_dir=tmp_path)
+    fine = {**raw, "experiment": {"name": "lr1e-3_clip.v2"}}
+    assert experiment_from_dict(fine, base_dir=tmp_path).experiment.name == "lr1e-3_clip.v2"
