@@ -76,7 +76,8 @@ def test_the_demo_experiment_becomes_a_config_verls_classes_accept() -> None:
     assert rollout.n == 8 and rollout.temperature == 1.0 and rollout.name == "vllm"
     assert cfg.data.train_batch_size == 16 and cfg.trainer.total_training_steps == 200
     assert Path(cfg.actor_rollout_ref.model.path) == config.path(config.model.path).resolve()
-    assert algorithm.filter_groups.enable is False
+    # the demo's dynamic sampling, as verl's algorithm.filter_groups
+    assert algorithm.filter_groups.enable is True and algorithm.filter_groups.max_num_gen_batches == 4
 
 
 def test_dynamic_sampling_becomes_verls_filter_groups() -> None:
