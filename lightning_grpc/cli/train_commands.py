@@ -141,8 +141,7 @@ def choose_start(args: argparse.Namespace, config: Any) -> Path | int | None:
         print("error: --fresh and --resume exclude each other", file=sys.stderr)
         return 2
     if args.fresh:
-        db = config.output_dir / config.services.store_path if config.services.store_path else None
-        recovery.clear_for_fresh_start(config.output_dir, db, checkpoints=True)
+        recovery.clear_for_fresh_start(config.output_dir, config.store_file, checkpoints=True)
         return None
     if args.resume is not None:
         if not recovery.is_checkpoint(args.resume):
@@ -158,8 +157,7 @@ def choose_start(args: argparse.Namespace, config: Any) -> Path | int | None:
             "(--resume CHECKPOINT continues from one of its checkpoints)",
             file=sys.stderr,
         )
-        db = config.output_dir / config.services.store_path if config.services.store_path else None
-        recovery.clear_for_fresh_start(config.output_dir, db, checkpoints=True)
+        recovery.clear_for_fresh_start(config.output_dir, config.store_file, checkpoints=True)
         return None
     latest = recovery.latest_checkpoint(config.output_dir)
     if latest is not None:

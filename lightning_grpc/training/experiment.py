@@ -552,6 +552,13 @@ class ExperimentConfig:
     def output_dir(self) -> Path:
         return self.path(self.experiment.output_dir)
 
+    @property
+    def store_file(self) -> Path | None:
+        """The SQLite file of the store the run starts (None: in memory, or a store the run does not start)."""
+        if self.services.store or not self.services.store_path:
+            return None
+        return self.output_dir / self.services.store_path
+
     def to_dict(self) -> dict[str, Any]:
         """The settings as plain values (enum members by their lower-case names, as a file gives them)."""
         out = _plain(dataclasses.asdict(self))

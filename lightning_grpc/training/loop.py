@@ -222,9 +222,7 @@ class TrainingRun:
         self.stop_ids: frozenset[int] = frozenset()
         self.policy_version = 0
         #: The store's file in the output directory (None: a store in memory, or one the run does not start).
-        self.db = self.out / config.services.store_path if config.services.store_path else None
-        if config.services.store:
-            self.db = None
+        self.db = config.store_file
         if resume is None:  # a fresh start: an earlier run's store there would answer with its batches
             recovery.clear_for_fresh_start(self.out, self.db, checkpoints=False)
         self.journal = Journal(self._prepared_output())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -19,12 +18,15 @@ from pathlib import Path
 from lightning_grpc import logs
 from lightning_grpc.batching import RunInterruption
 
+from .learner import STATE_FILE
+from .sharded import SHARDED_DIR
+
 log = logs.get_logger(__name__)
 
 CHECKPOINTS = "checkpoints"
 PARTIAL = ".partial"
 #: The file of a checkpoint of the one-process learner; a learner with ranks writes ``sharded/`` instead.
-STATE_MARKERS = ("trainer_state.pt", "sharded")
+STATE_MARKERS = (STATE_FILE, SHARDED_DIR)
 JOURNAL = "interruptions.jsonl"
 
 
@@ -191,7 +193,3 @@ def describe_exit(code: int | None) -> str:
             name = "?"
         return f"killed by signal {-code} ({name})"
     return f"exited with code {code}"
-
-
-def now() -> float:
-    return time.time()

@@ -53,8 +53,6 @@ class Supervisor:
         self.limit = restarts
         self.backoff = backoff
         self.step = step
-        #: Set while a child is being started again (the run's calls wait instead of failing).
-        self.recovering = asyncio.Event()
 
     async def watch(self) -> None:
         while True:
@@ -69,32 +67,28 @@ class Supervisor:
             raise ChildLost(
                 f"{child_died_message(child)}\n(it cannot be restarted alone: run the command again)"
             )
-        self.recovering.set()
-        try:
-            while True:
-                if child.restarts >= self.limit:
-                    raise ChildLost(
-                        f"{child_died_message(child)}\n(restarted {child.restarts} times already: "
-                        f"services.restarts = {self.limit})"
-                    )
-                delay = min(MAX_BACKOFF_S, self.backoff * 2**child.restarts)
-                child.restarts += 1
-                log.warning(
-                    "event=child_restarting process=%s cause=%r delay=%.1f restart=%d",
-                    child.name,
-                    cause,
-                    delay,
-                    child.restarts,
+        while True:
+            if child.restarts >= self.limit:
+                raise ChildLost(
+                    f"{child_died_message(child)}\n(restarted {child.restarts} times already: "
+                    f"services.restarts = {self.limit})"
                 )
-                await asyncio.sleep(delay)
-                try:
-                    async with child.hold() if child.hold is not None else contextlib.nullcontext():
-                        child.process = await asyncio.to_thread(child.restart)
-                    break
-                except RuntimeError as exc:  # it died again while starting: back off longer
-                    cause = f"{cause}; restart {child.restarts} failed: {exc}"
-        finally:
-            self.recovering.clear()
+            delay = min(MAX_BACKOFF_S, self.backoff * 2**child.restarts)
+            child.restarts += 1
+            log.warning(
+                "event=child_restarting process=%s cause=%r delay=%.1f restart=%d",
+                child.name,
+                cause,
+                delay,
+                child.restarts,
+            )
+            await asyncio.sleep(delay)
+            try:
+                async with child.hold() if child.hold is not None else contextlib.nullcontext():
+                    child.process = await asyncio.to_thread(child.restart)
+                break
+            except RuntimeError as exc:  # it died again while starting: back off longer
+                cause = f"{cause}; restart {child.restarts} failed: {exc}"
         self.journal.record(
             Interruption(
                 time=died_at,
