@@ -32,7 +32,10 @@ its sums and metrics taken over the ranks, and its weights and checkpoints writt
   one-process checkpoint resumes on ranks (its optimiser state cut into shards).
 - **Failures.** The driver waits on the ranks together and raises the first rank's error at once;
   :meth:`DistributedLearner.close` (the end of the run, or at exit) ends the actors, the placement group
-  and the Ray it started.
+  and the Ray it started. A rank whose process dies (killed, out of memory, its node lost) is
+  :class:`RankLost`, naming it, as soon as the driver next waits on the ranks: the others, left in a
+  collective without it, are killed, not waited for. A rank is not restarted alone: its shards of the
+  optimiser state since the last checkpoint died with it, so only the last checkpoint can go on.
 """
 
 from __future__ import annotations
@@ -69,6 +72,21 @@ from .sharded import (
     restore_random_states,
     sharded_state,
 )
+
+#: How long, after a rank fails, the driver looks for a rank that died: a rank whose peer was killed fails in
+#: the collective they were in (gloo: the connection closed), often before Ray reports the death itself.
+DEAD_PEER_WAIT_S = 10.0
+
+
+class RankLost(RuntimeError):
+    """A rank of the learner died (its process killed, out of memory, or its node lost): the run cannot go on
+    without it, and the same command resumes from the last checkpoint."""
+
+    def __init__(self, rank: int, world: int, where: str) -> None:
+        self.rank = rank
+        super().__init__(
+            f"learner rank {rank} of {world}{where} died (killed, out of memory, or its node lost)"
+        )
 
 
 def split_groups_by_tokens(uid: np.ndarray, row_tokens: np.ndarray, ranks: int) -> list[np.ndarray]:
@@ -247,9 +265,7 @@ class RankActor:
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a port free on it: rank 0's are every rank's ``MASTER_ADDR:PORT``."""
-        import ray
-
-        address = ray.util.get_node_ip_address()
+        address = ray_node_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((address, 0))
             port = int(sock.getsockname()[1])
@@ -278,7 +294,9 @@ class RankActor:
             world=spec.world,
         )
         extra = self.learner.load_checkpoint(spec.resume) if spec.resume else {}
-        return {"step": self.learner.step, "extra": extra}
+        # where the rank runs: what names it if it dies
+        where = {"pid": os.getpid(), "node": ray_node_address()}
+        return {"step": self.learner.step, "extra": extra, **where}
 
     def update(self, batch: UpdateInput, rows: np.ndarray) -> dict[str, float]:
         assert self.learner is not None
@@ -301,6 +319,12 @@ class RankActor:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def ray_node_address() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())
 
 
 # ------------------------------------------------------------ the driver
@@ -341,6 +365,10 @@ class DistributedLearner:
         self._actors: list[Any] = []
         self._group: Any = None
         self._owns_ray = False
+        #: Where each rank runs ("pid N on ADDRESS"), once it has set up.
+        self._where: list[str] = []
+        #: Whether a call to the ranks failed: the others may be stuck in a collective (not waited for).
+        self._failed = False
         try:
             self._start()
         except BaseException:
@@ -403,6 +431,7 @@ class DistributedLearner:
             resume=None if self.resume_from is None else str(Path(self.resume_from).resolve()),
         )
         started = self._all([actor.setup.remote(spec, master) for actor in self._actors])
+        self._where = [f" (pid {s['pid']} on {s['node']})" for s in started]
         steps = {int(s["step"]) for s in started}
         if len(steps) != 1:
             raise RuntimeError(f"the ranks restored different steps: {sorted(steps)}")
@@ -454,13 +483,40 @@ class DistributedLearner:
         return [int(s) for s in self._all([actor.step.remote() for actor in self._actors])]
 
     def _all(self, calls: list[Any]) -> list[Any]:
-        """The ranks' answers in rank order; the first rank that fails raises at once (the others may be
-        waiting in a collective for it: :meth:`close` ends them)."""
+        """The ranks' answers (``calls``: one per rank, in rank order); the first rank that fails raises at
+        once, :class:`RankLost` for one that died (the others may be waiting in a collective for it:
+        :meth:`close` ends them)."""
         pending = list(calls)
         while pending:
             done, pending = self._ray.wait(pending, num_returns=1)
-            self._ray.get(done)
+            try:
+                self._ray.get(done)
+            except Exception as error:
+                self._failed = True
+                raise self._failure(calls, done[0], error, pending) from None
         return list(self._ray.get(calls))
+
+    def _failure(self, calls: list[Any], failed: Any, error: Exception, pending: list[Any]) -> Exception:
+        """What to raise for a failed call: :class:`RankLost` naming the rank that died, if one did (looked
+        for among the calls still pending for :data:`DEAD_PEER_WAIT_S`), else the rank's own error."""
+        died = self._ray.exceptions.RayActorError
+        deadline = time.monotonic() + DEAD_PEER_WAIT_S
+        while pending and not isinstance(error, died):
+            left = deadline - time.monotonic()
+            done, pending = self._ray.wait(pending, num_returns=1, timeout=max(0.0, left))
+            if not done:
+                break
+            try:
+                self._ray.get(done)
+            except died as dead:
+                failed, error = done[0], dead
+            except Exception:  # another rank's own failure: the first one stays the error
+                pass
+        if not isinstance(error, died):
+            return error
+        rank = next(index for index, call in enumerate(calls) if call == failed)
+        where = self._where[rank] if rank < len(self._where) else ""
+        return RankLost(rank, self.ranks, where)
 
     def close(self) -> None:
         """Leave the process group, end the actors and the placement group, and the Ray started here."""
@@ -469,7 +525,7 @@ class DistributedLearner:
         if ray is None:
             return
         actors, self._actors = self._actors, []
-        if actors:
+        if actors and not self._failed:  # after a failure the others may wait in a collective: not asked
             try:
                 ray.get([actor.close.remote() for actor in actors], timeout=60)
             except Exception:  # a rank that died or hangs: killed below all the same
@@ -485,4 +541,4 @@ class DistributedLearner:
             ray.shutdown()
 
 
-__all__: Sequence[str] = ("DistributedLearner", "RankLearner", "split_groups_by_tokens")
+__all__: Sequence[str] = ("DistributedLearner", "RankLearner", "RankLost", "split_groups_by_tokens")

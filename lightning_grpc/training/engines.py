@@ -269,7 +269,9 @@ class VllmEngine:
     ``url`` set at construction: a vLLM already running there (``services.engine``): its inference is
     used, and weights go to its control routes at the same address (they must be reachable: vLLM's
     ``--api-key`` does not cover them, so keep such a server on a private network). :meth:`start` then
-    checks that it can serve the run (:meth:`_attach`) and refuses, saying what to change, when not.
+    checks that it can serve the run (:meth:`_attach`) and refuses, saying what to change, when not; such a
+    server is the user's to restart. One started here that dies is started again by the run where it was
+    (:meth:`restart`, :meth:`restart_gate`), at the policy version last published.
     """
 
     model_dir: Path | None = None
@@ -372,22 +374,13 @@ class VllmEngine:
         write_worker_extension(self.socket_dir)
         started = time.monotonic()
         try:
-            server = Background(
-                "engine",
-                [vllm_python(self.python), "-c", _VLLM_LAUNCHER, *self.command(model_dir)],
-                self.environment(),
-                python=False,
-            )
+            server = self._server(model_dir)
             self.processes.append(server)
             self._wait_healthy(server)
             self.start_seconds = time.monotonic() - started
             # the version every call records from now on: the one vLLM reports back
             self._sync_call("POST", "/update_weight_version", {"new_version": str(policy_version)})
-            gate = Background(
-                "engine-gate",
-                ["-m", "lightning_grpc.training.engines", "gate", "--uds", str(self.socket_path)],
-                model_child_env(1),
-            )
+            gate = self._gate(port=0)
             self.processes.append(gate)
             address = log_field(gate.wait_for("event=engine_gate_started", timeout=60)[0], "address")
         except BaseException:
@@ -402,6 +395,70 @@ class VllmEngine:
             policy_version,
         )
         return self.url
+
+    def restart(self, model_dir: Path, policy_version: int) -> Background:
+        """The vLLM this run started, again, on its socket (so the gate's address, the proxy's upstream, stays
+        the same): serving ``model_dir`` (the weights last published, with the tokenizer beside them) as
+        ``policy_version``. What is left of the dead server goes first: its engine process outlives it and
+        holds its memory. Returns the new server once it serves; EngineError when it does not (the
+        supervisor tries again, and this ends the one that failed)."""
+        assert self.socket_path is not None, "only a vLLM this run started is restarted"
+        for dead in [p for p in self.processes if p.name == "engine"]:
+            _end_group(dead)
+        self.socket_path.unlink(missing_ok=True)  # vLLM binds its socket anew: a file left there refuses it
+        started = time.monotonic()
+        server = self._server(model_dir)
+        self._replace(server)
+        self._wait_healthy(server)
+        try:
+            self._sync_call("POST", "/update_weight_version", {"new_version": str(policy_version)})
+        except OSError as exc:
+            raise EngineError(f"vLLM restarted but did not take its weight version: {exc}") from None
+        self.model_dir = model_dir
+        log.info(
+            "event=vllm_restarted socket=%s start_seconds=%.1f policy_version=%d model=%s",
+            self.socket_path,
+            time.monotonic() - started,
+            policy_version,
+            model_dir,
+        )
+        return server
+
+    def restart_gate(self) -> Background:
+        """The gate again, on its port (the proxy's upstream address stays the same), to the same socket."""
+        gate = self._gate(port=int(self.url.rsplit(":", 1)[1]))
+        self._replace(gate)
+        gate.wait_for("event=engine_gate_started", timeout=60)
+        return gate
+
+    def _server(self, model_dir: Path) -> Background:
+        """vLLM's server serving ``model_dir``, started by the launcher (in a process group of its own)."""
+        return Background(
+            "engine",
+            [vllm_python(self.python), "-c", _VLLM_LAUNCHER, *self.command(model_dir)],
+            self.environment(),
+            python=False,
+        )
+
+    def _gate(self, port: int) -> Background:
+        """The gate to vLLM's socket on loopback ``port`` (0: a free one)."""
+        return Background(
+            "engine-gate",
+            [
+                "-m",
+                "lightning_grpc.training.engines",
+                "gate",
+                "--uds",
+                str(self.socket_path),
+                "--port",
+                str(port),
+            ],
+            model_child_env(1),
+        )
+
+    def _replace(self, process: Background) -> None:
+        """``process`` in the place of the one of its name (what :meth:`stop` stops is always the latest)."""
+        self.processes[:] = [p for p in self.processes if p.name != process.name] + [process]
 
     def _attach(self, model_dir: Path, policy_version: int) -> None:
         """Checks that the vLLM at ``url`` can serve this run and sets its weight version; EngineError,
@@ -593,6 +650,23 @@ class VllmEngine:
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
             self.socket_dir = None
+
+
+def _end_group(process: Background, timeout: float = 30.0) -> None:
+    """SIGKILL to the process group ``process`` leads (vLLM's server, and the engine and worker processes it
+    started, which outlive a server that died), then up to ``timeout`` seconds for the group to be gone."""
+    process.proc.poll()  # the leader reaped if it has exited (a zombie would count as the group still there)
+    group = process.proc.pid
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
+        while True:
+            process.proc.poll()
+            os.killpg(group, 0)  # ProcessLookupError once none of the group is left
+            if time.monotonic() > deadline:
+                log.warning("event=vllm_group_lingers group=%d seconds=%.0f", group, timeout)
+                return
+            time.sleep(0.1)
 
 
 def ties_embeddings(model_dir: Path) -> bool:

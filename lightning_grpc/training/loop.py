@@ -48,9 +48,9 @@ from lightning_grpc.triplets.conversation import json_object, response_message, 
 from lightning_grpc.types import AttemptStatus, ProxyLLM, RolloutConfig, Span
 
 from . import recovery
-from .distributed import DistributedLearner
+from .distributed import DistributedLearner, RankLost
 from .dynamic_sampling import GenerationRounds
-from .engines import EmbeddedEngine
+from .engines import EmbeddedEngine, VllmEngine
 from .experiment import ExperimentConfig, read_tasks
 from .learner import (
     Learner,
@@ -369,6 +369,9 @@ class TrainingRun:
             if not self.interrupted:
                 raise
             raise self._interrupted(first_step) from None
+        except RankLost as lost:
+            self._mark_failed(lost)
+            raise self._rank_lost(lost) from None
         except Exception as error:
             self._mark_failed(error)
             raise
@@ -440,12 +443,28 @@ class TrainingRun:
         self.say(f"interrupted after step {step}: {where}")
         return RunInterrupted(self.interrupted, path, step)
 
+    def _rank_lost(self, lost: RankLost) -> RunFailed:
+        """A learner rank died: the run ends at its last whole checkpoint (named), which the same command
+        resumes from. Why not go on: the rank's shards of the optimiser state since then are gone."""
+        kept = recovery.latest_checkpoint(self.out) or self.resume
+        where = (
+            f"at its last whole checkpoint, {kept}"
+            if kept is not None
+            else "before its first checkpoint (the same command starts over)"
+        )
+        return RunFailed(
+            f"{lost}; the run stops {where} (a rank is not restarted alone: its FSDP shards of the "
+            "optimiser state since the last checkpoint died with it)"
+        )
+
     def _restartable_engine(self, model_dir: Path) -> None:
         """The engine this run started comes back, after a crash, at the policy version last published; the
-        proxy holds new calls while it starts (only the calls in flight when it died fail)."""
+        proxy holds new calls while it starts (only the calls in flight when it died fail). vLLM comes back
+        on its socket, and its gate on its port, so the proxy's upstream stays the same. An engine the user
+        serves (``services.engine``) is theirs to restart."""
         assert self.services is not None
         engine = self.services.engine
-        if not isinstance(engine, EmbeddedEngine) or self.config.services.engine:
+        if not isinstance(engine, EmbeddedEngine | VllmEngine) or self.config.services.engine:
             return
         # read now: the checkpoint the run resumed from may be pruned before the engine next needs them
         tokenizer = read_tokenizer_files(model_dir)
@@ -454,6 +473,13 @@ class TrainingRun:
             self._served_weights(model_dir, tokenizer), self.policy_version
         )
         child.hold = self._hold_calls
+        if isinstance(engine, VllmEngine):
+            # vLLM takes a minute or more to start: the agents' clients retry a held call six times
+            # (runner.llm.openai_client), each after Retry-After, which then spans twice its first start
+            wait = min(60.0, max(1.0, engine.start_seconds / 3))
+            child.hold = functools.partial(self._hold_calls, retry_after=wait)
+            gate = self.services.child("engine-gate")
+            gate.restart, gate.hold = engine.restart_gate, self._hold_calls
 
     def _served_weights(self, model_dir: Path, tokenizer: Mapping[str, bytes]) -> Path:
         """What the engine serves now: the weights this invocation last published (with the tokenizer beside
@@ -465,12 +491,13 @@ class TrainingRun:
         return weights
 
     @contextlib.asynccontextmanager
-    async def _hold_calls(self) -> AsyncIterator[None]:
-        """The proxy holds new calls (a paused proxy answers them once resumed) while a child restarts."""
+    async def _hold_calls(self, retry_after: float | None = None) -> AsyncIterator[None]:
+        """The proxy holds new calls (a paused proxy answers them once resumed) while a child restarts;
+        ``retry_after``: when it tells the refused callers to come back (None: the proxy's default)."""
         proxy = getattr(self, "proxy", None)  # None: the run's clients are not connected yet
         try:
             if proxy is not None:
-                await proxy.pause("the engine is restarting")
+                await proxy.pause("the engine is restarting", retry_after=retry_after)
         except LightningError:  # the server is down too: nothing reaches the engine meanwhile
             pass
         try:
@@ -953,7 +980,7 @@ class TrainingRun:
         if pause:
             await again("pause", lambda: self.proxy.pause("weight update"))
             await again("drain", lambda: self.proxy.drain(timeout=120))
-            await engine.pause()
+            await again("engine_pause", engine.pause)  # (a vLLM being restarted: once it serves)
         try:
             # the engine may be coming back from a crash (the supervisor restarts it): wait and load again
             served = await again("load_weights", lambda: engine.load_weights(path, self.policy_version))
@@ -969,7 +996,7 @@ class TrainingRun:
                 )
         finally:
             if pause:
-                await engine.resume()
+                await again("engine_resume", engine.resume)
                 await again("resume", self.proxy.resume)
 
     # ------------------------------------------------------------ validation

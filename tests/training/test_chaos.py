@@ -5,7 +5,8 @@ seeded plan says, no rollout in two batches, no batch trained twice, whole group
 apart from the crashed one's, and the final weights equal to those of the same run never interrupted.
 
 Also here: Ctrl-C (SIGINT to the process group, as a terminal sends it) stops cleanly with a checkpoint and
-exit 130, and a step where every rollout failed is an error that says why.
+exit 130, a step where every rollout failed is an error that says why, and a learner rank killed ends the run
+at its last checkpoint, which the same command resumes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -28,6 +30,7 @@ from lightning_grpc.batching.groups import BATCH_KEY
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
 from lightning_grpc.examples.combination_lock import train_tasks, write_jsonl
 from lightning_grpc.processes import Background, log_field
+from lightning_grpc.training import recovery
 from lightning_grpc.training.plan import PLAN_EPOCH_KEY, PLAN_POSITION_KEY, PLAN_TASK_KEY
 from lightning_grpc.types import RolloutMode
 from tests.conftest import ROOT
@@ -316,3 +319,52 @@ def test_a_step_where_every_rollout_failed_is_an_error_and_the_same_command_draw
     assert "step 2, where every rollout had failed, drawn anew" in entry["recovery"]
     metrics = (tmp_path / "out" / "metrics.csv").read_text().splitlines()
     assert [line.split(",")[0] for line in metrics[1:]] == ["1", "2", "3"]
+
+
+def test_a_learner_rank_killed_ends_the_run_at_its_checkpoint_and_the_same_command_resumes(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """kill -9 of one of two learner ranks (Ray actors, FSDP over gloo) once step 2 is done: the run does not
+    wait for it (its peer is left in a collective) but ends within seconds, exit 1, with one paragraph that
+    names the rank and the last whole checkpoint, no traceback; the same command resumes from that checkpoint
+    and finishes."""
+    pytest.importorskip("ray")
+    steps = 4
+    config = write_run(tmp_path, tiny_model, "out", steps=steps)
+    text = config.read_text().replace("processes = 2", "processes = 1").replace("every = 3", "every = 1")
+    config.write_text(text + "\n[learner]\nranks = 2\n")
+    out = tmp_path / "out"
+    run = Run(config)
+    run.wait_for_step(2)
+    rank = next(  # a rank's process: Ray names it after the actor's class (and the method it runs)
+        p
+        for p in psutil.Process(run.proc.pid).children(recursive=True)
+        if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::RankActor")
+    )
+    killed = time.monotonic()
+    kill(rank)
+    assert run.wait(120) == 1, run.text()
+    assert time.monotonic() - killed < 60, run.text()
+    text = run.text()
+    latest = recovery.latest_checkpoint(out)
+    assert latest is not None and recovery.checkpoint_step(latest) >= 1
+    error = re.search(r"^error: (.*)$", text, re.MULTILINE)
+    assert error is not None, text
+    assert re.fullmatch(
+        rf"learner rank [01] of 2 \(pid {rank.pid} on [^)]+\) died \(.*\); the run stops at its last whole "
+        rf"checkpoint, {re.escape(str(latest))} \(a rank is not restarted alone: .*\)",
+        error.group(1),
+    ), error.group(1)
+    assert "to resume: lightning-grpc train" in text and "Traceback" not in text, text
+    assert json.loads((out / "run_state.json").read_text())["status"] == "failed"
+
+    again = Run(config)  # the same command: it resumes from that checkpoint by itself
+    assert again.wait() == 0, again.text()
+    assert f"resuming from {latest}" in again.text()
+    metrics = (out / "metrics.csv").read_text().splitlines()
+    assert [line.split(",")[0] for line in metrics[1:]] == [str(s) for s in range(1, steps + 1)]
+    trainer = journal(out)[-1]
+    assert trainer["process"] == "trainer", trainer
+    assert re.fullmatch(
+        r"stopped on an error: learner rank [01] of 2 \(pid .*\) died \(.*\)", trainer["cause"]
+    )

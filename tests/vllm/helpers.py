@@ -1,17 +1,20 @@
 """What the tests against real vLLM share: an attempt to call for, an agent's official OpenAI client on its
-routed proxy URL, the recorded LLM-call spans, and vLLM's own routes over its Unix socket."""
+routed proxy URL, the recorded LLM-call spans, vLLM's own routes over its Unix socket, and the command line of
+a training run of the vLLM example."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import openai
 
-from lightning_grpc import semconv
+from lightning_grpc import environment, semconv
 from lightning_grpc.client import StoreClient
 from lightning_grpc.proxy import LLMProxy
 from lightning_grpc.training.engines import VllmEngine
 from lightning_grpc.types import Span
+from tests.engine_fixtures import CLI, QUIET_ENV, ROOT
 
 from .conftest import MODEL, SERVED
 
@@ -54,3 +57,26 @@ async def vllm_chat(engine: VllmEngine, body: dict[str, Any]) -> tuple[int, Any]
         http.post("http://vllm/v1/chat/completions", json={"model": SERVED, **body}) as resp,
     ):
         return resp.status, await resp.json(content_type=None)
+
+
+def train_command(tmp_path: Path, settings: dict[str, str]) -> list[str]:
+    """``lightning-grpc train examples/combination_lock/vllm.toml`` with ``settings`` (no validation, output in
+    ``tmp_path / "run"``)."""
+    settings = {
+        **settings,
+        "experiment.output_dir": str(tmp_path / "run"),
+        "model.path": str(tmp_path / "model"),
+        "validation.every": "0",
+        "agent.val_tasks": '""',
+    }
+    return [
+        *CLI,
+        "train",
+        str(ROOT / "examples" / "combination_lock" / "vllm.toml"),
+        "--no-progress",
+        *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")],
+    ]
+
+
+def train_env(vllm_python: str) -> dict[str, str]:
+    return {**QUIET_ENV, environment.VLLM_PYTHON: vllm_python}

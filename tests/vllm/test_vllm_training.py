@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from lightning_grpc import environment
 from lightning_grpc.processes import model_child_env
 from lightning_grpc.training.engines import (
     VLLM_WORKER_EXTENSION_CLS,
@@ -26,29 +25,17 @@ from lightning_grpc.training.engines import (
 )
 from tests.engine_fixtures import CLI, QUIET_ENV, ROOT
 
+from .helpers import train_command, train_env
+
 pytestmark = pytest.mark.timeout(900)
 
 
 def train_vllm_example(vllm_python: str, tmp_path: Path, settings: dict[str, str]) -> list[dict[str, str]]:
-    """``lightning-grpc train examples/combination_lock/vllm.toml`` with ``settings`` (no validation, output in
-    ``tmp_path``); the rows of its metrics.csv."""
-    settings = {
-        **settings,
-        "experiment.output_dir": str(tmp_path / "run"),
-        "model.path": str(tmp_path / "model"),
-        "validation.every": "0",
-        "agent.val_tasks": '""',
-    }
+    """:func:`train_command` run to its end; the rows of its metrics.csv."""
     done = subprocess.run(
-        [
-            *CLI,
-            "train",
-            str(ROOT / "examples" / "combination_lock" / "vllm.toml"),
-            "--no-progress",
-            *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")],
-        ],
+        train_command(tmp_path, settings),
         cwd=ROOT,
-        env={**QUIET_ENV, environment.VLLM_PYTHON: vllm_python},
+        env=train_env(vllm_python),
         capture_output=True,
         text=True,
         timeout=800,
