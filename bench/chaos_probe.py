@@ -93,7 +93,7 @@ loss_agg_mode = "per-rollout-mean"
 
 [validation]
 every = 5
-
+{target_line}
 [checkpoint]
 every = 3
 keep = 2
@@ -129,6 +129,7 @@ def write_run(folder: Path, model: Path, args: argparse.Namespace) -> Path:
         group_size=GROUP_SIZE,
         groups=GROUPS,
         restarts=args.kills + 2,  # every kill could hit the same child
+        target_line=f"target = {args.target}\n" if args.target is not None else "",
     )
     path = folder / "config.toml"
     path.write_text(text)
@@ -555,13 +556,17 @@ def accounting(
     retried: dict[str, Any],
     reference: dict[str, list[Any]] | None,
     args: argparse.Namespace,
+    last_step: int | None = None,
 ) -> dict[str, Any]:
+    """The chaos run's store read back against the plan. ``last_step``: the run's last step (fewer than
+    ``--steps`` when it stopped at ``--target``)."""
     from lightning_grpc.batching.groups import BATCH_KEY
     from lightning_grpc.examples.combination_lock import train_tasks
     from lightning_grpc.training.plan import PLAN_EPOCH_KEY, PLAN_POSITION_KEY, PLAN_TASK_KEY
 
     notes: list[str] = []
     sync = args.mode == "sync"
+    last_step = args.steps if last_step is None else last_step
     # -- the plan: positions and tasks
     positions: Counter[int] = Counter()
     by_epoch: dict[int, list[int]] = defaultdict(list)
@@ -575,7 +580,7 @@ def accounting(
             continue
         positions[int(meta[PLAN_POSITION_KEY])] += 1
         by_epoch[int(meta[PLAN_EPOCH_KEY])].append(int(meta[PLAN_TASK_KEY]))
-    drawn_upto = max(args.steps * GROUPS, max(positions, default=-1) + 1)
+    drawn_upto = max(last_step * GROUPS, max(positions, default=-1) + 1)
     skipped = [p for p in range(drawn_upto) if p not in positions]
     repeated_positions = {p: n for p, n in positions.items() if n > 1}
     repeated_in_epoch = {
@@ -593,6 +598,10 @@ def accounting(
     if reference is not None:
         ours = {g: (m[0].input, m[0].metadata.get(PLAN_POSITION_KEY)) for g, m in groups.items()}
         theirs = {g: (m[0].input, m[0].metadata.get(PLAN_POSITION_KEY)) for g, m in reference.items()}
+        if args.target is not None:  # the runs stop where each reached the target: compare what both drew
+            both = set(ours) & set(theirs)
+            ours = {g: v for g, v in ours.items() if g in both}
+            theirs = {g: v for g, v in theirs.items() if g in both}
         plan_matches = ours == theirs
         if not plan_matches:
             only = sorted(set(ours) ^ set(theirs))
@@ -629,7 +638,7 @@ def accounting(
                 if gid.split("-s", 1)[1].split("-", 1)[0] != step:
                     wrong_step.append(f"{gid} in {bid}")
                     wrong_step_rollouts += len(groups[gid])
-    expected_batches = {f"chaos-b{s}" for s in range(1, args.steps + 1)}
+    expected_batches = {f"chaos-b{s}" for s in range(1, last_step + 1)}
     over = {b: len(g) for b, g in batch_groups.items() if len(g) > GROUPS}
     short = {b: len(g) for b, g in batch_groups.items() if len(g) < GROUPS}
     missing_batches = sorted(expected_batches - set(batch_groups), key=lambda b: int(b.rsplit("b", 1)[1]))
@@ -651,6 +660,7 @@ def accounting(
         if not report.triplets:
             empty_reports.append(rid)
     return {
+        "last_step": last_step,
         "groups": len(groups),
         "rollouts": sum(len(m) for m in groups.values()),
         "skipped": skipped,
@@ -694,13 +704,27 @@ def metrics_rows(out: Path) -> list[dict[str, str]]:
 def final_rewards(out: Path) -> dict[str, Any]:
     rows = metrics_rows(out)
     vals = [float(r["val_reward"]) for r in rows if r.get("val_reward")]
+    curve = [(int(float(r["step"])), float(r["val_reward"])) for r in rows if r.get("val_reward")]
     train = [float(r["reward_mean"]) for r in rows if r.get("reward_mean")]
     steps = [int(float(r["step"])) for r in rows if r.get("step")]
     return {
         "val_reward": vals[-1] if vals else None,
         "reward_mean_last5": sum(train[-5:]) / len(train[-5:]) if train else None,
         "steps": steps,
+        "val_curve": curve,
     }
+
+
+def every_step_once(steps: list[int], args: argparse.Namespace) -> bool:
+    """Whether metrics.csv has each step once, 1..--steps (1..its last step when the run stops at a target)."""
+    last = max(steps, default=0) if args.target is not None else args.steps
+    return steps == list(range(1, last + 1))
+
+
+def reached(rewards: dict[str, Any], target: float) -> str:
+    """The first step whose validation reward reached ``target`` ("not reached" else)."""
+    hit = next((step for step, val in rewards["val_curve"] if val >= target), None)
+    return "not reached" if hit is None else str(hit)
 
 
 def compare_weights(a: Path, b: Path) -> tuple[bool | None, str]:
@@ -758,7 +782,13 @@ def report(
         f"Config: combination lock, {args.mode}, group_size {GROUP_SIZE}, batch_size {GROUPS}"
         + (f", async_groups {ASYNC_GROUPS}, max_staleness {MAX_STALENESS}" if args.mode == "async" else "")
         + ", checkpoint.every 3, agent.unresponsive_timeout 3, services.restart_backoff 0.2, "
-        f"services.restarts {args.kills + 2}, validation every 5 (8 val locks), seed {args.seed}; "
+        f"services.restarts {args.kills + 2}, validation every 5 (8 val locks)"
+        + (
+            f", validation.target {args.target:g} (a run stops once it reaches it)"
+            if args.target is not None
+            else ""
+        )
+        + f", seed {args.seed}; "
         f"a kill every {args.gap_min:g}-{args.gap_max:g} s after the previous recovery.  ",
         f"Work directory: `{args.workdir}`",
         "",
@@ -802,7 +832,7 @@ def report(
         lines += [
             "| check | count | goal |",
             "|---|---|---|",
-            f"| tasks skipped (plan positions missing among 0..{max(args.steps * GROUPS, 1) - 1} and up to "
+            f"| tasks skipped (plan positions missing among 0..{max(acc['last_step'] * GROUPS, 1) - 1} and up to "
             f"the last drawn) | {len(acc['skipped'])} | 0 |",
             f"| tasks repeated (a position in two groups, a task twice in one epoch) | {acc['tasks_repeated']} | 0 |",
             f"| rollouts double-counted (groups with mixed batch ids, in another step's batch, batches over "
@@ -812,7 +842,7 @@ def report(
             f"Read back: {acc['groups']} training groups, {acc['rollouts']} rollouts; {acc['retried']} rollouts "
             f"retried ({acc['retried_attempts']} extra attempts), {len(acc['empty_reports'])} of them with no "
             f"triplets in their last attempt.  ",
-            f"Batches: {args.steps - len(acc['missing_batches'])} of {args.steps} present; missing "
+            f"Batches: {acc['last_step'] - len(acc['missing_batches'])} of {acc['last_step']} present; missing "
             f"{acc['missing_batches'] or 'none'}; unexpected ids {acc['extra_batches'] or 'none'}; over "
             f"{GROUPS} groups {acc['over'] or 'none'}; short {acc['short'] or 'none'}.  ",
             f"Groups never taken by a batch: {len(acc['untrained'])} (expected {acc['expected_untrained']}"
@@ -841,9 +871,17 @@ def report(
         f"| final val_reward (last in metrics.csv) | {fmt(rewards['val_reward'])} | {fmt(calm_rewards['val_reward'])} |",
         f"| reward_mean, mean of the last 5 steps | {fmt(rewards['reward_mean_last5'])} | "
         f"{fmt(calm_rewards['reward_mean_last5'])} |",
-        f"| metrics.csv rows: each step 1..{args.steps} once | "
-        f"{'yes' if chaos_steps == list(range(1, args.steps + 1)) else 'NO: ' + str(chaos_steps)} | "
-        f"{'yes' if calm_steps == list(range(1, args.steps + 1)) else 'NO: ' + str(calm_steps)} |",
+        *(
+            [
+                f"| validation target {args.target:g} reached at step | {reached(rewards, args.target)} | "
+                f"{reached(calm_rewards, args.target)} |"
+            ]
+            if args.target is not None
+            else []
+        ),
+        f"| metrics.csv rows: each step 1..{'the last' if args.target is not None else args.steps} once | "
+        f"{'yes' if every_step_once(chaos_steps, args) else 'NO: ' + str(chaos_steps)} | "
+        f"{'yes' if every_step_once(calm_steps, args) else 'NO: ' + str(calm_steps)} |",
         f"| wall time (s) | {chaos.wall_s:.0f} | {ref['wall_s']:.0f} |",
         "",
     ]
@@ -898,6 +936,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kills", type=int, default=12)
     p.add_argument("--mode", choices=("sync", "async"), default="sync")
     p.add_argument("--seed", type=int, default=0, help="the kills' random moments and choices, and the run's")
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="validation.target of both runs (each stops once it reaches it; --steps is then their limit)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos_probe.md")
     p.add_argument("--workdir", type=Path, default=None, help="default: /tmp/chaos_probe-<mode>")
     p.add_argument("--model", type=Path, default=None, help="a model folder (default: a tiny one made here)")
@@ -949,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         groups, retried = asyncio.run(read_store(out / "store.db"))
         calm_groups = asyncio.run(read_store(calm_out / "store.db"))[0] if code == 0 else None
-        acc = accounting(groups, retried, calm_groups, args)
+        acc = accounting(groups, retried, calm_groups, args, max(final_rewards(out)["steps"], default=None))
     except Exception as exc:  # report it: the probe's point is to say what happened
         chaos.failures.append(f"reading the store back failed: {type(exc).__name__}: {exc}")
     bitexact = compare_weights(out, calm_out)
