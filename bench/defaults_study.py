@@ -53,6 +53,33 @@ SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
         {"optim.lr": 1e-3, "ppo.clip_ratio_high": 0.28},
         "optim.lr = 1e-3 and ppo.clip_ratio_high = 0.28",
     ),
+    "sync": (
+        {"experiment.mode": "sync"},
+        "experiment.mode = sync: each step's rollouts from the policy it trains (lr 3e-3, no dynamic sampling)",
+    ),
+    "sync+filter-groups": (
+        {"experiment.mode": "sync", "data.filter_groups": True},
+        "experiment.mode = sync and data.filter_groups = true",
+    ),
+    "group16": (
+        {"data.group_size": 16, "data.filter_groups": True},
+        "data.group_size = 16 (16 groups x 16 rollouts a step: twice the rollouts), dynamic sampling on",
+    ),
+    "group16-batch8": (
+        {
+            "data.group_size": 16,
+            "data.batch_size": 8,
+            "experiment.async_groups": 16,
+            "data.filter_groups": True,
+        },
+        "data.group_size = 16, data.batch_size = 8 (128 rollouts a step, as now), async_groups 16, "
+        "dynamic sampling on",
+    ),
+    "group16+lr2e-3": (
+        {"data.group_size": 16, "optim.lr": 2e-3, "data.filter_groups": True},
+        "data.group_size = 16 and optim.lr = 2e-3 (16 groups x 16 rollouts a step), dynamic sampling on "
+        "(bench/direct_study.py: learned in 8 of 8 seeds of the direct loop)",
+    ),
     "kl": (
         {"ppo.use_kl_loss": True, "ppo.kl_loss_coef": 0.05},
         "ppo.use_kl_loss = true, kl_loss_coef 0.05 (low_var_kl to the starting model; lr 3e-3)",
@@ -86,6 +113,9 @@ class RunResult:
     final_val: float | None = None
     stalled: bool = False
     last_zero_variance: float | None = None
+    #: The training reward (reward_mean) over the last 5 steps: a run whose validation sits at 0.5 while it
+    #: opens the training locks has not stalled, it does not carry over to the held-out ones.
+    last_train_reward: float | None = None
     seconds: float = 0.0
     run_dir: str = ""
     val_curve: list[tuple[int, float]] = field(default_factory=list)
@@ -180,11 +210,17 @@ def read_metrics(result: RunResult, csv_path: Path, target: float) -> None:
         reached = [s for s, v in curve if v >= target]
         result.target_step = reached[0] if reached else None
         tail = [v for s, v in curve if s > result.steps_run - STALL_STEPS]
+        train = [v for r in rows[-5:] if (v := _float(r.get("reward_mean"))) is not None]
+        result.last_train_reward = statistics.fmean(train) if train else None
         result.stalled = (
             result.target_step is None
             and result.steps_run >= STALL_STEPS
             and bool(tail)
             and all(abs(v - STALL_LEVEL) <= STALL_TOLERANCE for v in tail)
+            and (
+                result.last_train_reward is None
+                or abs(result.last_train_reward - STALL_LEVEL) <= STALL_TOLERANCE
+            )
         )
     # The share of a step's groups with no reward spread (with data.filter_groups both counts cover
     # every generation round of the step).
@@ -272,7 +308,9 @@ def render(results: list[RunResult], args: argparse.Namespace, started: str, pla
     )
     out.append(
         f"- Stalled: target never reached and every validation of the last {STALL_STEPS} steps within "
-        f'{STALL_TOLERANCE} of {STALL_LEVEL} (the constant reward of always answering "3")'
+        f'{STALL_TOLERANCE} of {STALL_LEVEL} (the constant reward of always answering "3"), and the training '
+        "reward of the last 5 steps too (a run that opens the training locks but not the held-out ones has not "
+        "stalled: it did not generalise)"
     )
     out.append(f"- Runs finished: {len(results)} of {planned}")
     out.append("")
@@ -283,9 +321,9 @@ def render(results: list[RunResult], args: argparse.Namespace, started: str, pla
     out.append("")
     out.append(
         "| setting | seed | reached 0.8 at step | best val | final val | stalled | seconds | "
-        "zero-variance share of groups (last 5 steps) |"
+        "zero-variance share of groups (last 5 steps) | training reward (last 5 steps) |"
     )
-    out.append("|---|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         reached = "-" if r.target_step is None else str(r.target_step)
         stalled = "yes" if r.stalled else "no"
@@ -294,7 +332,7 @@ def render(results: list[RunResult], args: argparse.Namespace, started: str, pla
         zv = "-" if r.last_zero_variance is None else f"{r.last_zero_variance:.2f}"
         out.append(
             f"| {r.setting} | {r.seed} | {reached} | {_fmt(r.best_val)} | {_fmt(r.final_val)} | "
-            f"{stalled} | {r.seconds:.0f} | {zv} |"
+            f"{stalled} | {r.seconds:.0f} | {zv} | {_fmt(r.last_train_reward)} |"
         )
     out.append("")
     out.append("Summary per setting:")
@@ -367,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         for item in json.loads((work / "results.json").read_text()):
             item["val_curve"] = [tuple(p) for p in item["val_curve"]]
             r = RunResult(**item)
+            metrics = Path(r.run_dir) / "out" / "metrics.csv"
+            if r.ok and metrics.exists():  # read again: the rules may have changed since
+                read_metrics(r, metrics, target)
             if r.ok:
                 previous[(r.setting, r.seed)] = r
     results: list[RunResult] = []
@@ -388,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             report = render(results, args, started, planned)
             out.write_text(report)
             (work / "results.json").write_text(json.dumps([asdict(x) for x in results], indent=1))
+    report = render(results, args, started, planned)  # also when every run was reused
+    out.write_text(report)
     print(report)
     return 0 if all(r.ok for r in results) else 1
 

@@ -50,6 +50,7 @@ from lightning_grpc.engine.scheduler import prefill
 from lightning_grpc.engine.text import OutputText
 from lightning_grpc.examples import combination_lock as lock
 from lightning_grpc.training import ppo
+from lightning_grpc.training.experiment import read_tasks
 from lightning_grpc.training.learner import Learner, OptimConfig, UpdateInput
 from lightning_grpc.triplets import Triplet, rows_from_triplets
 
@@ -528,6 +529,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a model directory (lightning-grpc init-model)")
     parser.add_argument("--json", help="write the history here")
+    parser.add_argument(
+        "--train-tasks",
+        help="a JSONL task file (default: the combination lock's locks, half of them half open)",
+    )
+    parser.add_argument(
+        "--val-tasks", help="a JSONL task file (default: the combination lock's held-out locks)"
+    )
     defaults = DirectConfig(model_path="")
     for name in (
         "seed",
@@ -560,8 +568,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind = int if name == "threads" else type(default) if default is not None else float
         parser.add_argument(flag, type=kind, default=default)
     args = parser.parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k not in ("model", "json")}
-    history = run_direct(DirectConfig(model_path=args.model, **options))
+    files = ("model", "json", "train_tasks", "val_tasks")
+    options = {k: v for k, v in vars(args).items() if k not in files}
+    tasks = {
+        name: read_tasks(Path(getattr(args, name)))
+        for name in ("train_tasks", "val_tasks")
+        if getattr(args, name)
+    }
+    history = run_direct(DirectConfig(model_path=args.model, **options, **tasks))
     summary = summarize(history, args.stop_at or 0.8)
     print(json.dumps(summary, indent=2))
     if args.json:

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import tomllib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -62,7 +63,9 @@ def test_the_configuration_reference_has_every_key_with_its_default() -> None:
             default = _toml_value(_default(f)).replace("|", "\\|")
             assert f"| `{f.name}` | " in section and f"| `{default}` |" in section, f"{name}.{f.name}"
     # the demo's file beside the defaults: the code's learning rate, then the demo's
-    assert "| `lr` | `float` | `0.0003` | `0.003` |" in page
+    with (ROOT / "examples" / "combination_lock" / "config.toml").open("rb") as f:
+        demo_lr = tomllib.load(f)["optim"]["lr"]
+    assert f"| `lr` | `float` | `0.0003` | `{demo_lr}` |" in page
 
 
 def test_a_metric_name_is_matched_exactly_or_by_its_family() -> None:

@@ -68,12 +68,12 @@ def test_the_demo_experiment_becomes_a_config_verls_classes_accept() -> None:
     algorithm = omega_conf_to_dataclass(cfg.algorithm)
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     assert type(actor).__name__ == "FSDPActorConfig" and isinstance(actor, ActorConfig)
-    assert actor.optim.lr == config.optim.lr == 3e-3
+    assert actor.optim.lr == config.optim.lr == 2e-3
     assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (0.2, 0.2, 3.0)
     assert actor.loss_agg_mode == "token-mean" and actor.ppo_epochs == 1
-    assert actor.ppo_mini_batch_size * rollout.n == 16 * 8  # one mini-batch: the whole step
+    assert actor.ppo_mini_batch_size * rollout.n == 16 * 16  # one mini-batch: the whole step
     assert algorithm.adv_estimator == "grpo" and algorithm.norm_adv_by_std_in_grpo is True
-    assert rollout.n == 8 and rollout.temperature == 1.0 and rollout.name == "vllm"
+    assert rollout.n == 16 and rollout.temperature == 1.0 and rollout.name == "vllm"
     assert cfg.data.train_batch_size == 16 and cfg.trainer.total_training_steps == 200
     assert Path(cfg.actor_rollout_ref.model.path) == config.path(config.model.path).resolve()
     # the demo's dynamic sampling, as verl's algorithm.filter_groups
