@@ -410,6 +410,9 @@ async def test_spans_follow_prints_new_spans_until_interrupted(client: StoreClie
         stderr=asyncio.subprocess.PIPE,
         cwd=ROOT,
         env=CLEAN_ENV,
+        # Ctrl-C as a terminal's foreground command gets it: a test run started in the background by a
+        # non-interactive shell ignores SIGINT, and its children would inherit that (Python keeps it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None and proc.stderr is not None
     try:
