@@ -26,13 +26,11 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
+from bench.chaos_probe import read_store  # the long probe reads a run's store back the same way
 from lightning_grpc.batching.groups import BATCH_KEY
-from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
 from lightning_grpc.examples.combination_lock import train_tasks, write_jsonl
-from lightning_grpc.processes import Background, log_field
 from lightning_grpc.training import recovery
 from lightning_grpc.training.plan import PLAN_EPOCH_KEY, PLAN_POSITION_KEY, PLAN_TASK_KEY
-from lightning_grpc.types import RolloutMode
 from tests.conftest import ROOT
 from tests.engine_fixtures import CLI, QUIET_ENV
 
@@ -142,41 +140,6 @@ def wait_for_recovery(out: Path, process: str, count: int, timeout: float = 120)
 def kill(process: psutil.Process) -> None:
     process.send_signal(signal.SIGKILL)
     process.wait(10)
-
-
-async def read_store(db: Path) -> tuple[dict[str, list[Any]], dict[str, Any]]:
-    """The training rollouts of a run's store file (grouped by group id), and their triplet reports."""
-    server = Background(
-        "server", [*CLI[1:], "serve", "--db", str(db), "--port", "0", "--no-dashboard"], QUIET_ENV
-    )
-    try:
-        address = log_field(server.wait_for("event=server_started", timeout=60)[0], "address")
-        config = ClientConfig(target=address)
-        async with StoreClient(config) as store, TrainerClient(config) as trainer:
-            groups: dict[str, list[Any]] = defaultdict(list)
-            token = ""
-            while True:
-                page = await store.list_rollouts(mode=RolloutMode.TRAIN, page_size=500, page_token=token)
-                for rollout in page.items:
-                    groups[rollout.group_id].append(rollout)
-                token = page.next_page_token
-                if not token:
-                    break
-            retried: dict[str, Any] = {}
-            for members in groups.values():
-                for rollout in members:
-                    attempts = (await store.list_attempts(rollout.rollout_id)).items
-                    if len(attempts) > 1:
-                        report = await trainer.triplets(rollout.rollout_id)
-                        earlier = [
-                            s.span_id
-                            for a in attempts[:-1]
-                            for s in await store.query_spans(rollout.rollout_id, a.attempt_id)
-                        ]
-                        retried[rollout.rollout_id] = (attempts, report, earlier)
-            return dict(groups), retried
-    finally:
-        server.stop(10)
 
 
 def final_weights(out: Path) -> dict[str, Any]:
