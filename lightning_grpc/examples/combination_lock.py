@@ -27,7 +27,9 @@ stuck at 0.5 from step 70 on; lr 3e-4 still under 0.05 after 90 steps). With hal
 digits are rewarded from the first step and the policy learns to tell "first" from "second": validation
 reward 0 to over 0.8 in 55-75 steps at lr 3e-3. Held-out validation locks are always full (two to three
 calls), with names and an opening sentence that training never shows; the rule is the same, so the
-validation reward measures the policy rather than memorised lock names. A half-open lock can open on
+validation reward measures the policy rather than memorised lock names. Training words its first message
+four ways: with two, one seed in three of the whole system learned to press 3 after those two sentences only
+and stayed at 0.5 on the held-out one (``bench/results/defaults_study.md``). A half-open lock can open on
 its first call; every full lock takes at least two.
 
 The demo (``examples/combination_lock/``) plays the variant where a wrong digit moves the lock on too
@@ -99,6 +101,8 @@ VAL_LOCKS = (
 TRAIN_OPENINGS = (
     "The {lock} has a two-digit combination lock.",
     "You reach the {lock}. It is locked with a two-digit code.",
+    "A keypad on the {lock} asks for its two-digit code.",
+    "The {lock} will not open without its two-digit code.",
 )
 VAL_OPENINGS = ("A two-digit combination lock keeps the {lock} shut.",)
 
@@ -164,7 +168,7 @@ def moving_on(tasks: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def train_tasks(*, half_open: bool = True) -> list[dict[str, Any]]:
-    """The 16 training locks (two opening sentences, alternating), each also half open by default.
+    """The 16 training locks (four opening sentences, in turn), each also half open by default.
 
     A half-open lock already has its first digit entered and asks for the second: 32 tasks in all. Without
     them (``half_open=False``) the second digit is asked only after a right first press, so the policy

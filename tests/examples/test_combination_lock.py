@@ -23,7 +23,7 @@ def test_tasks_are_jsonable_and_val_is_held_out(tmp_path: Path) -> None:
     assert not {t["lock"] for t in train} & {t["lock"] for t in val}
     train_openings = {t["prompt"].replace(t["lock"], "{lock}").split(".")[0] for t in train}
     val_openings = {t["prompt"].replace(t["lock"], "{lock}").split(".")[0] for t in val}
-    assert len(train_openings) == 2 and len(val_openings) == 1
+    assert len(train_openings) == len(lock.TRAIN_OPENINGS) == 4 and len(val_openings) == 1
     assert not train_openings & val_openings  # other wording too
     assert {t["code"] for t in train + val} == {lock.CODE}  # the same rule
     for task in train + val:
