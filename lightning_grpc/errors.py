@@ -54,6 +54,8 @@ class Reason(enum.StrEnum):
     STORE_MEMORY_FULL = "STORE_MEMORY_FULL"
     STORE_OUT_OF_SPACE = "STORE_OUT_OF_SPACE"
     STORAGE_FAILED = "STORAGE_FAILED"
+    #: the store's database server (PostgreSQL) is out of reach: UNAVAILABLE, retried; nothing acknowledged lost
+    DATABASE_UNAVAILABLE = "DATABASE_UNAVAILABLE"
     STORE_CLOSED = "STORE_CLOSED"
     # the server and its clients
     SHUTTING_DOWN = "SHUTTING_DOWN"

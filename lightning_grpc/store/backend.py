@@ -54,6 +54,10 @@ class Backend(Protocol):
     #: True while the backend cannot commit for want of space (a full disk, a database at its size
     #: limit): the store then refuses new writes, and the backend keeps retrying what it holds.
     out_of_space: bool
+    #: Non-empty while the backend cannot reach its database (a database server down or out of reach): it
+    #: names the database and says why. The store then refuses new writes with UNAVAILABLE, and the backend
+    #: keeps retrying, with back-off, the writes it holds (none of them acknowledged yet).
+    unavailable: str
 
     async def open(self) -> LoadedState: ...
 
@@ -80,6 +84,7 @@ class MemoryBackend:
     name = "memory"
     in_memory = True
     out_of_space = False
+    unavailable = ""
 
     def __init__(self) -> None:
         # rollout_id -> attempt_no -> spans (kept sorted by sequence id on read)

@@ -1,4 +1,4 @@
-"""Domain objects <-> flat rows (JSON text for the free-form parts). Used by the SQLite backend."""
+"""Domain objects <-> flat rows (JSON text for the free-form parts). Used by the SQLite and PostgreSQL backends."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ from lightning_grpc.types import (
     WorkerStatus,
 )
 
-from .state import AttemptState, ResourcesState, RolloutState, WorkerState
+from .state import AttemptState, ResourcesState, RolloutState, Txn, WorkerState
+
+#: The largest signed 64-bit integer: span times are kept in such columns (the body keeps the exact fixed64).
+INT64_MAX = 2**63 - 1
 
 
 def dumps(value: Any) -> str:
@@ -260,3 +263,84 @@ def resources_from_row(row: dict[str, Any]) -> ResourcesState:
         ),
         fingerprint=row["fingerprint"],
     )
+
+
+#: One kind of row a commit writes, and its rows: ``delete`` (rollout ids), ``rollouts``, ``attempts``,
+#: ``workers``, ``resources`` (row dicts), ``spans`` (tuples in :data:`SPAN_COLUMNS` order), ``changes``
+#: ((revision, rollout id, JSON body)), ``meta`` ((key, value)).
+Op = tuple[str, Any]
+
+SPAN_COLUMNS = (
+    "rollout_id",
+    "attempt_id",
+    "attempt_no",
+    "sequence_id",
+    "span_id",
+    "trace_id",
+    "parent_span_id",
+    "name",
+    "start_ns",
+    "end_ns",
+    "body",
+)
+
+
+def txn_ops(tx: Txn) -> list[Op]:
+    """Snapshot what ``tx`` changed as rows, in the order a commit writes them (deletes first).
+
+    Runs on the event loop when the change is submitted, so that later changes to the same objects do not
+    leak into this commit. Sets ``tx.meta["revision"]`` to the last change's revision."""
+    ops: list[Op] = []
+    if tx.deleted_rollouts:
+        ops.append(("delete", list(tx.deleted_rollouts)))
+    if tx.rollouts:
+        ops.append(("rollouts", [rollout_row(rs) for rs in tx.rollouts.values()]))
+    if tx.attempts:
+        ops.append(("attempts", [attempt_row(a) for a in tx.attempts.values()]))
+    if tx.workers:
+        ops.append(("workers", [worker_row(w) for w in tx.workers.values()]))
+    if tx.resources:
+        ops.append(("resources", [resources_row(r) for r in tx.resources.values()]))
+    if tx.spans:
+        ops.append(
+            (
+                "spans",
+                [
+                    (
+                        s.rollout_id,
+                        s.attempt_id,
+                        s.attempt_no,
+                        s.sequence_id,
+                        s.span_id,
+                        s.trace_id,
+                        s.parent_span_id,
+                        s.name,
+                        min(s.start_time_unix_nano, INT64_MAX),  # the body keeps the exact fixed64
+                        min(s.end_time_unix_nano, INT64_MAX),
+                        s.body,
+                    )
+                    for s in tx.spans
+                ],
+            )
+        )
+    if tx.changes:
+        ops.append(
+            (
+                "changes",
+                [(c.revision, c.rollout.rollout_id, dumps(rollout_dict(c.rollout))) for c in tx.changes],
+            )
+        )
+        tx.meta["revision"] = str(tx.changes[-1].revision)
+    if tx.meta:
+        ops.append(("meta", list(tx.meta.items())))
+    return ops
+
+
+def drop_rows_of(ops: list[Op], rollout_ids: set[str]) -> None:
+    """Remove from submitted ``ops`` the rows of rollouts deleted after them (changes and meta stay)."""
+    for i, (kind, payload) in enumerate(ops):
+        if kind == "spans":
+            ops[i] = (kind, [row for row in payload if row[0] not in rollout_ids])
+        elif kind in ("rollouts", "attempts"):
+            ops[i] = (kind, [row for row in payload if row["rollout_id"] not in rollout_ids])
+    ops[:] = [(kind, payload) for kind, payload in ops if payload]

@@ -40,7 +40,6 @@ from .state import Change, LoadedState, SpanRecord, Txn
 log = logs.get_logger(__name__)
 
 migrations = Migrations("lightning_grpc.store")
-INT64_MAX = 2**63 - 1
 
 
 @migrations(name="0001_initial")
@@ -172,6 +171,8 @@ class SqliteBackend:
 
     name = "sqlite"
     in_memory = False
+    #: A file in this process's reach: never out of reach (see Backend.unavailable).
+    unavailable = ""
 
     def __init__(
         self,
@@ -271,52 +272,7 @@ class SqliteBackend:
     def submit(self, tx: Txn) -> asyncio.Future[None]:
         """Snapshot the changed rows now (on the event loop) and hand them to the writer."""
         assert self._loop is not None
-        ops: list[tuple[str, Any]] = []
-        if tx.deleted_rollouts:
-            ops.append(("delete", list(tx.deleted_rollouts)))
-        if tx.rollouts:
-            ops.append(("rollouts", [rows.rollout_row(rs) for rs in tx.rollouts.values()]))
-        if tx.attempts:
-            ops.append(("attempts", [rows.attempt_row(a) for a in tx.attempts.values()]))
-        if tx.workers:
-            ops.append(("workers", [rows.worker_row(w) for w in tx.workers.values()]))
-        if tx.resources:
-            ops.append(("resources", [rows.resources_row(r) for r in tx.resources.values()]))
-        if tx.spans:
-            ops.append(
-                (
-                    "spans",
-                    [
-                        (
-                            s.rollout_id,
-                            s.attempt_id,
-                            s.attempt_no,
-                            s.sequence_id,
-                            s.span_id,
-                            s.trace_id,
-                            s.parent_span_id,
-                            s.name,
-                            min(s.start_time_unix_nano, INT64_MAX),  # the body keeps the exact fixed64
-                            min(s.end_time_unix_nano, INT64_MAX),
-                            s.body,
-                        )
-                        for s in tx.spans
-                    ],
-                )
-            )
-        if tx.changes:
-            ops.append(
-                (
-                    "changes",
-                    [
-                        (c.revision, c.rollout.rollout_id, rows.dumps(rows.rollout_dict(c.rollout)))
-                        for c in tx.changes
-                    ],
-                )
-            )
-            tx.meta["revision"] = str(tx.changes[-1].revision)
-        if tx.meta:
-            ops.append(("meta", list(tx.meta.items())))
+        ops = rows.txn_ops(tx)
         fut: asyncio.Future[None] = self._loop.create_future()
         self._queue.put((ops, fut))
         if tx.deleted_rollouts:
@@ -410,7 +366,7 @@ class SqliteBackend:
                 batch.append(item)
                 continue
             for earlier, _ in batch:
-                _drop_rows_of(earlier, deleted)
+                rows.drop_rows_of(earlier, deleted)
             try:
                 with conn:
                     self._apply(conn, ops)
@@ -548,16 +504,6 @@ class SqliteBackend:
             self._index_conn.close()
             self._index_conn = None
         log.info("event=sqlite_closed path=%s", self.path)
-
-
-def _drop_rows_of(ops: list[tuple[str, Any]], rollout_ids: set[str]) -> None:
-    """Remove from submitted ``ops`` the rows of rollouts deleted after them (changes and meta stay)."""
-    for i, (kind, payload) in enumerate(ops):
-        if kind == "spans":
-            ops[i] = (kind, [row for row in payload if row[0] not in rollout_ids])
-        elif kind in ("rollouts", "attempts"):
-            ops[i] = (kind, [row for row in payload if row["rollout_id"] not in rollout_ids])
-    ops[:] = [(kind, payload) for kind, payload in ops if payload]
 
 
 def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:

@@ -40,6 +40,24 @@ def _out_of_space_now(held: bool) -> UnavailableError:
     return UnavailableError(why, reason=Reason.STORE_OUT_OF_SPACE)
 
 
+def _database_unavailable(database: str, *, held: bool | None = None) -> UnavailableError:
+    """The store cannot reach its database (``database`` names it and says why): a new write is refused
+    (``held`` None), a write caught in the failing commit is held and written once it returns (``held``),
+    and a read that must wait for earlier writes is refused (not ``held``)."""
+    if held is None:
+        why = (
+            "writes are refused until it returns; everything acknowledged is stored, and what was in flight "
+            "is written once it is back"
+        )
+    elif held:
+        why = "this write is held and written once it returns; send it again (same ids) to learn its outcome"
+    else:
+        why = "earlier writes wait for it; read again once it is back"
+    return UnavailableError(
+        f"the store cannot reach its database ({database}): {why}", reason=Reason.DATABASE_UNAVAILABLE
+    )
+
+
 def _out_of_space() -> ResourceExhaustedError:
     return ResourceExhaustedError(
         "the store's disk is full (or the database at its size limit): writes are refused until space "
@@ -132,7 +150,8 @@ class StoreBase:
         self._meta: dict[str, str] = {}
         self._closing = False
         self._closed = False
-        # when the store last began and stopped being unable to write (a full disk), for the watchdog
+        # when the store last began and stopped being unable to write (a full disk, its database out of reach),
+        # for the watchdog
         self._outage_started: float | None = None
         self._outage_ended: float | None = None
 
@@ -151,9 +170,16 @@ class StoreBase:
             raise UnavailableError("the store is shutting down", reason=Reason.STORE_CLOSED)
         if self._broken is not None:
             raise UnavailableError(f"the store cannot write: {self._broken}", reason=Reason.STORAGE_FAILED)
+        if self.backend.unavailable:
+            self._note_outage()
+            raise _database_unavailable(self.backend.unavailable)
         if self.backend.out_of_space and not frees_space:
             self._note_outage()
             raise _out_of_space()
+
+    def _cannot_write(self) -> bool:
+        """Whether the backend cannot commit now (a full disk, a database out of reach)."""
+        return self.backend.out_of_space or bool(self.backend.unavailable)
 
     def _note_outage(self) -> None:
         if self._outage_started is None:
@@ -187,8 +213,10 @@ class StoreBase:
         backend keeps and writes later; else a read, which must not show what is not stored yet)."""
         give_up = time.monotonic() + patience
         while not fut.done():
-            if self.backend.out_of_space and time.monotonic() >= give_up:
+            if self._cannot_write() and time.monotonic() >= give_up:
                 self._note_outage()
+                if self.backend.unavailable:
+                    raise _database_unavailable(self.backend.unavailable, held=held)
                 raise _out_of_space_now(held)
             await asyncio.wait((fut,), timeout=0.25)
         fut.result()
@@ -204,7 +232,7 @@ class StoreBase:
         self._after_commit(tx)
 
     def _after_commit(self, tx: Txn) -> None:
-        if self._outage_started is not None and self._outage_ended is None and not self.backend.out_of_space:
+        if self._outage_started is not None and self._outage_ended is None and not self._cannot_write():
             self._outage_ended = self.clock()  # the watchdog excuses the attempts what it could not write
             if self._watchdog_wake is not None:
                 self._watchdog_wake.set()

@@ -71,7 +71,7 @@ class WatchdogSection(SpanStaging):
     async def _watchdog(self) -> None:
         assert self._watchdog_wake is not None
         while True:
-            if self.backend.out_of_space:  # no deadline fires while the store cannot write
+            if self._cannot_write():  # no deadline fires while the store cannot write
                 if self._outage_ended is not None:  # an earlier outage ended before this one began
                     self._settle_outage()
                 self._note_outage()
