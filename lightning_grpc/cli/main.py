@@ -2,6 +2,7 @@
 
 lightning-grpc serve --host 127.0.0.1 --port 4747 --db store.db
 lightning-grpc serve --memory --max-memory 2GiB
+lightning-grpc serve --postgres postgresql://lightning@db.example/lightning
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_grpc import environment, logs
+from lightning_grpc._extras import MissingExtraError
 from lightning_grpc.cli import proxy_commands
 from lightning_grpc.cli.inspect_commands import add_store_option
 from lightning_grpc.errors import LightningError
@@ -52,6 +54,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--db", type=Path, help="SQLite file (created if missing); the default is lightning.db"
     )
     where.add_argument("--memory", action="store_true", help="keep everything in memory (lost on exit)")
+    where.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="store in this PostgreSQL database (a postgresql:// URL or libpq connection string; the database "
+        "must exist, its tables are created on first use; a password is best left to PGPASSWORD or ~/.pgpass); "
+        "needs pip install 'lightning-grpc[postgres]'",
+    )
     p.add_argument(
         "--max-memory", type=parse_size, help="in-memory backend: evict oldest finished rollouts above this"
     )
@@ -130,7 +139,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host,
         port=args.port,
-        db=None if args.memory else (args.db or Path("lightning.db")),
+        db=None if args.memory or args.postgres else (args.db or Path("lightning.db")),
+        postgres=args.postgres,
         token=args.token or None,
         tls=tls,
         max_memory_bytes=args.max_memory,
@@ -146,6 +156,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return proxy_commands.run_serve_with_proxy(args, config)
     try:
         asyncio.run(serve(config))
+    except MissingExtraError as exc:  # --postgres without psycopg: one line naming the extra
+        log.error("event=server_failed error=%s", exc)
+        return 1
     except OSError as exc:
         log.error("event=server_failed error=%s", exc)
         return 1

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from lightning_grpc import logs
 from lightning_grpc.batching import TrainerCore
 from lightning_grpc.processes import freeze_startup_heap
-from lightning_grpc.store import MemoryBackend, SqliteBackend, Store
+from lightning_grpc.store import Backend, SqliteBackend, Store, make_backend
 from lightning_grpc.v1 import store_service_pb2
 
 from .auth import interceptors_for
@@ -56,8 +56,11 @@ class TlsFiles:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 4747
-    #: SQLite file; None for the in-memory backend.
+    #: SQLite file; None for the in-memory backend (or PostgreSQL, when ``postgres`` is set).
     db: Path | None = None
+    #: A PostgreSQL connection string or URL (the database must exist): the store lives there instead.
+    #: Kept out of the repr: it may hold a password.
+    postgres: str | None = field(default=None, repr=False)
     #: The admin token; None: no authentication (local use). See lightning_grpc.access for the roles.
     token: str | None = field(default=None, repr=False)
     tls: TlsFiles | None = None
@@ -174,11 +177,15 @@ def add_health_and_reflection(
 
 
 def make_store(config: ServerConfig) -> Store:
-    backend = (
-        SqliteBackend(config.db, synchronous=config.sqlite_sync, max_bytes=config.max_db_bytes)
-        if config.db is not None
-        else MemoryBackend()
-    )
+    backend: Backend
+    if config.postgres is not None:
+        if config.db is not None:
+            raise ValueError("a server stores in SQLite (db) or PostgreSQL (postgres), not both")
+        backend = make_backend(postgres_url=config.postgres)
+    elif config.db is not None:
+        backend = SqliteBackend(config.db, synchronous=config.sqlite_sync, max_bytes=config.max_db_bytes)
+    else:
+        backend = make_backend()
     return Store(
         backend,
         max_memory_bytes=config.max_memory_bytes,
