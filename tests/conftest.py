@@ -17,10 +17,14 @@ import pytest_asyncio
 from lightning_grpc.client import StoreClient
 from lightning_grpc.server.app import RunningServer, ServerConfig
 from tests.helpers import serving
+from tests.store import postgres_server
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.engine_fixtures"]
 BACKENDS = ["memory", "sqlite"]
+#: The backends the store's behaviour suite (tests/store/test_store_semantics.py) runs on: PostgreSQL too,
+#: on a real server started for the test session (skipped, with the reason, where none can be started).
+STORE_BACKENDS = [*BACKENDS, "postgres"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -29,8 +33,32 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def server_config(backend: str, tmp_path: Path) -> ServerConfig:
+def server_config(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> ServerConfig:
+    if backend == "postgres":
+        return ServerConfig(port=0, postgres=request.getfixturevalue("postgres_url"), grace=1.0)
     return ServerConfig(port=0, db=tmp_path / "store.db" if backend == "sqlite" else None, grace=1.0)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[postgres_server.PostgresServer]:
+    """A PostgreSQL server for the whole session (loopback only, trust authentication), removed at the end."""
+    reason = postgres_server.why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    server = postgres_server.PostgresServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def postgres_url(postgres: postgres_server.PostgresServer) -> Iterator[str]:
+    """A new, empty database on the session's PostgreSQL server, dropped after the test."""
+    url = postgres.create_database()
+    yield url
+    postgres.drop_database(url)
 
 
 @pytest_asyncio.fixture

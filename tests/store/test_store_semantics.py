@@ -1,4 +1,4 @@
-"""Store semantics (DESIGN section 3) over real gRPC, on both backends.
+"""Store semantics (DESIGN section 3) over real gRPC, on every backend (memory, SQLite, PostgreSQL).
 
 Each test of a known weakness of the reference store says which one it shows fixed.
 """
@@ -18,6 +18,7 @@ from lightning_grpc.errors import (
     NotFoundError,
 )
 from lightning_grpc.types import AttemptStatus, PromptTemplate, RolloutConfig, RolloutStatus, WorkerStatus
+from tests.conftest import STORE_BACKENDS
 from tests.helpers import make_span, make_spans
 
 RETRY_ALL = (AttemptStatus.FAILED, AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE)
@@ -28,6 +29,12 @@ async def claim(client: StoreClient, worker: str = "w1", **spec: object) -> tupl
     d = await client.dequeue_rollout(worker_id=worker)
     assert d is not None and d.rollout_id == r.rollout_id and d.latest_attempt is not None
     return d.rollout_id, d.latest_attempt.attempt_id
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """This file runs on PostgreSQL too (the conftest's ``backend`` covers memory and SQLite)."""
+    return str(request.param)
 
 
 # ------------------------------------------------------------------ terminal is final, fencing
