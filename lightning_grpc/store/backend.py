@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,6 +62,11 @@ class Backend(Protocol):
 
     async def open(self) -> LoadedState: ...
 
+    def on_outage(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called (on the event loop) when the backend finds it cannot write although no
+        write told the store (an idle check found the database gone), so that the outage counts from then."""
+        ...
+
     def submit(self, tx: Txn) -> asyncio.Future[None] | None: ...
 
     async def query_spans(self, query: SpanQuery) -> list[SpanRecord]: ...
@@ -93,6 +99,9 @@ class MemoryBackend:
 
     async def open(self) -> LoadedState:
         return LoadedState(store_id=uuid.uuid4().hex[:12])
+
+    def on_outage(self, callback: Callable[[], None]) -> None:
+        return None  # memory never fails to write
 
     def submit(self, tx: Txn) -> None:
         for rid in tx.deleted_rollouts:

@@ -234,6 +234,7 @@ class PostgresBackend:
         self._last_pruned = 0
         self._size = 0
         self._size_at = 0.0
+        self._outage_callback: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- connections
     def _connect(self) -> psycopg.Connection[Any]:
@@ -319,6 +320,13 @@ class PostgresBackend:
         state.total_spans = sum(a.span_count for rs in state.rollouts for a in rs.attempts)
         return state
 
+    def on_outage(self, callback: Callable[[], None]) -> None:
+        self._outage_callback = callback
+
+    def _tell_outage(self) -> None:
+        if self._loop is not None and self._outage_callback is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._outage_callback)
+
     # ---------------------------------------------------------------- writes
     def submit(self, tx: Txn) -> asyncio.Future[None]:
         """Snapshot the changed rows now (on the event loop) and hand them to the writer."""
@@ -386,7 +394,8 @@ class PostgresBackend:
         self._note_reachable(committed=0)
 
     def _note_unreachable(self, exc: BaseException, *, waiting: int) -> None:
-        if not self.unavailable:
+        first = not self.unavailable
+        if first:
             log.error(
                 "event=postgres_unreachable database=%r waiting=%d error=%s",
                 self.database,
@@ -394,6 +403,8 @@ class PostgresBackend:
                 _first_line(exc),
             )
         self.unavailable = f"{self.database}: {_first_line(exc)}"
+        if first:
+            self._tell_outage()
 
     def _note_reachable(self, *, committed: int) -> None:
         if self.unavailable:
@@ -436,7 +447,8 @@ class PostgresBackend:
                             len(batch),
                             _first_line(exc),
                         )
-                    self.out_of_space = True
+                        self.out_of_space = True
+                        self._tell_outage()
                     if self._wake.wait(delay):
                         self._wake.clear()
                     if conn is not None and self._commit_deletes_first(conn, batch):

@@ -24,6 +24,7 @@ import queue
 import sqlite3
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,9 @@ class SqliteBackend:
             state.revision = max(state.revision, state.changes[-1].revision)
         state.total_spans = sum(a.span_count for rs in state.rollouts for a in rs.attempts)
         return state
+
+    def on_outage(self, callback: Callable[[], None]) -> None:
+        return None  # a full disk is found by a failing commit, which the write waiting on it reports
 
     # ---------------------------------------------------------------- writes
     def submit(self, tx: Txn) -> asyncio.Future[None]:

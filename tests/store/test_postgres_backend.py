@@ -322,3 +322,35 @@ async def test_an_outage_while_idle_is_seen_before_any_write(
         await backend.submit(Txn(meta={"checked": "yes"}))  # and it writes again, on a new connection
     finally:
         await backend.close()
+
+
+async def test_an_outage_does_not_count_against_a_running_attempt(
+    own_postgres: postgres_server.PostgresServer,
+) -> None:
+    """While the database is out of reach the attempt's heartbeats are refused, so its silence then is
+    excused: no deadline fires during the outage, and the watchdog works again once the database is back."""
+    from lightning_grpc.store.postgres import PostgresBackend
+    from lightning_grpc.types import RolloutConfig
+
+    url = own_postgres.create_database("outage")
+    running = await start_server(ServerConfig(port=0, postgres=url, grace=1.0))
+    backend = running.store.backend
+    assert isinstance(backend, PostgresBackend)
+    backend.probe_interval = 0.2  # the outage is seen while nothing is written
+    client = StoreClient(running.address, retry=None, timeout=10)
+    try:
+        await client.enqueue_rollout({"x": 1}, config=RolloutConfig(unresponsive_timeout=1.5))
+        claimed = await client.dequeue_rollout(worker_id="w")
+        assert claimed is not None and claimed.latest_attempt is not None
+        own_postgres.stop("fast")
+        await _until(lambda: bool(backend.unavailable))
+        await asyncio.sleep(3.0)  # twice the attempt's allowed silence
+        own_postgres.start()
+        await _until(lambda: not backend.unavailable)
+        now = await client.get_rollout(claimed.rollout_id)
+        assert now.latest_attempt is not None and now.latest_attempt.status.is_active, now
+        [done] = await client.wait_for_rollouts([claimed.rollout_id], timeout=10)
+        assert done.latest_attempt is not None and done.latest_attempt.status.name == "UNRESPONSIVE"
+    finally:
+        await client.close()
+        await running.stop()

@@ -45,6 +45,7 @@ class Store(
         """Load what the backend holds, schedule the deadlines of active attempts, start the timers."""
         self._load(await self.backend.open())
         self._watchdog_wake = asyncio.Event()
+        self.backend.on_outage(self._on_backend_outage)
         for ast in self._attempts.values():
             if ast.attempt.status.is_active:
                 self._schedule(ast)

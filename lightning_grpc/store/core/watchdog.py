@@ -63,6 +63,15 @@ class WatchdogSection(SpanStaging):
             ast.silence_grace += max(0.0, end - max(start, a.last_heartbeat_time or a.start_time))
         log.info("event=store_outage_excused seconds=%.3f", end - start)
 
+    def _on_backend_outage(self) -> None:
+        """The backend found it cannot write while no write was refused yet: the outage counts from now (not
+        from the watchdog's next look, which may be a whole deadline away), and no deadline fires meanwhile."""
+        if self._outage_started is not None and self._outage_ended is not None:
+            self._settle_outage()  # an earlier outage ended before this one began
+        self._note_outage()
+        if self._watchdog_wake is not None:
+            self._watchdog_wake.set()
+
     def _settle_outage(self) -> None:
         assert self._outage_started is not None
         self._excuse_outage(self._outage_started, self._outage_ended or self.clock())
