@@ -110,6 +110,7 @@ SLOW_TESTS = (
     "tests/dashboard/test_dashboard.py::",
     "tests/training/test_distributed_learner.py::",
     "tests/store/test_durability.py::",
+    "tests/store/test_postgres_backend.py::",
     "tests/proxy/test_proxy_sampling.py::",
     # one test each: 0.9 s or more in `make test PYTEST_ARGS=--durations=150` (2026-11-26, 2 cores)
     "tests/batching/test_trainer_service.py::test_cli_shows_a_rollouts_triplets_and_the_trainer_status",
