@@ -102,7 +102,8 @@ def add_store_option(p: argparse.ArgumentParser, what: str = "the store server")
         "--store",
         default=environment.read(environment.STORE) or DEFAULT_STORE,
         metavar="HOST:PORT",
-        help=f"{what} (default: ${environment.STORE} or {DEFAULT_STORE})",
+        help=f"{what}; several, comma-separated, for a store with standbys (default: ${environment.STORE} or "
+        f"{DEFAULT_STORE})",
     )
 
 
