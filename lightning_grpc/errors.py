@@ -56,6 +56,8 @@ class Reason(enum.StrEnum):
     STORAGE_FAILED = "STORAGE_FAILED"
     #: the store's database server (PostgreSQL) is out of reach: UNAVAILABLE, retried; nothing acknowledged lost
     DATABASE_UNAVAILABLE = "DATABASE_UNAVAILABLE"
+    #: another server took the writer lease of the store's database: this one writes nothing and stops
+    NOT_THE_WRITER = "NOT_THE_WRITER"
     STORE_CLOSED = "STORE_CLOSED"
     # the server and its clients
     SHUTTING_DOWN = "SHUTTING_DOWN"

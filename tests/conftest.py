@@ -194,6 +194,12 @@ class ServerProcess:
             self.lines.append(line)
 
     def start(self, timeout: float = 20.0) -> ServerProcess:
+        self.launch()
+        self.wait_for("event=server_started", timeout)
+        return self
+
+    def launch(self) -> ServerProcess:
+        """Start the process without waiting for it to serve (a standby waits for its writer's lease)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lightning_grpc.cli.main", "serve", "--host", "127.0.0.1", *self.args],
             stdout=subprocess.PIPE,
@@ -202,19 +208,27 @@ class ServerProcess:
             env=self.env,
             cwd=ROOT,
         )
+        return self
+
+    def wait_for(self, event: str, timeout: float = 20.0) -> str:
+        """Read the output up to a line with ``event``; returns it. Once the server has started, the rest
+        of its output is collected in :attr:`lines` by a thread."""
+        assert self.proc is not None and self.proc.stdout is not None and self._drainer is None
         deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
                 break
             self.lines.append(line)
-            if "event=server_started" in line:
-                self.port = int(line.split("address=")[1].split()[0].rsplit(":", 1)[1])
-                self._drainer = threading.Thread(target=self._drain, daemon=True)
-                self._drainer.start()
-                return self
-        raise RuntimeError(f"server did not start: exit={self.proc.poll()}")
+            if event in line:
+                if "event=server_started" in line:
+                    self.port = int(line.split("address=")[1].split()[0].rsplit(":", 1)[1])
+                    self._drainer = threading.Thread(target=self._drain, daemon=True)
+                    self._drainer.start()
+                return line
+        raise RuntimeError(
+            f"server did not start (no {event} logged): exit={self.proc.poll()}\n{''.join(self.lines[-20:])}"
+        )
 
     @property
     def address(self) -> str:
@@ -239,9 +253,9 @@ def server_process() -> Iterator[type[ServerProcess]]:
     started: list[ServerProcess] = []
 
     class Tracked(ServerProcess):
-        def start(self, timeout: float = 20.0) -> ServerProcess:
+        def launch(self) -> ServerProcess:
             started.append(self)
-            return super().start(timeout)
+            return super().launch()
 
     yield Tracked
     for p in started:

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from lightning_grpc import logs
 from lightning_grpc.batching import TrainerCore
+from lightning_grpc.errors import Reason, UnavailableError
 from lightning_grpc.processes import freeze_startup_heap
 from lightning_grpc.store import Backend, SqliteBackend, Store, make_backend
 from lightning_grpc.v1 import store_service_pb2
@@ -94,6 +95,9 @@ class RunningServer:
     servicers: list[ServicerState] = field(default_factory=list)
     #: How to stop each started companion (see :data:`Companion`).
     companion_stops: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    #: Set when another server took over the store's database (PostgreSQL: the writer lease); this one
+    #: must stop serving (:func:`serve` does).
+    lost_lease: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def address(self) -> str:
@@ -242,6 +246,8 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     """Open the store (unless given, already started: make it with :func:`make_store`, so that it takes only
     timeouts the wire can carry) and serve it; returns once listening."""
     if store is None:
+        if config.port:  # before the store opens: a standby would only find it at its take-over
+            _check_free(config.host, config.port, f"{config.host}:{config.port}")
         store = await make_store(config).start()
     server = grpc.aio.server(
         interceptors=interceptors_for(config.token, store),
@@ -293,6 +299,7 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
         bool(config.token),
     )
     running = RunningServer(server, store, trainer, health, port, config, tuple(names), servicers)
+    store.backend.on_lease_lost(running.lost_lease.set)
     for companion in config.companions:
         try:
             running.companion_stops.append(await companion(running))
@@ -302,15 +309,66 @@ async def start_server(config: ServerConfig, store: Store | None = None) -> Runn
     return running
 
 
+class StopSignals:
+    """SIGTERM and SIGINT for a server's process: once it serves, they stop it (:meth:`wait`); before, while
+    it starts (a standby waiting for its database's writer lease), they cancel the start."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self._starting = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        self.event.set()
+        if self._starting is not None:
+            self._starting.cancel()
+
+    def started(self) -> None:
+        self._starting = None
+
+    def stopped_while_starting(self) -> bool:
+        """After a start was cancelled: whether a signal did it (then the task is no longer cancelling)."""
+        task = asyncio.current_task()
+        if not self.event.is_set() or task is None:
+            return False
+        task.uncancel()
+        log.info("event=server_stopped_before_serving")
+        return True
+
+    async def wait(self, running: RunningServer | None = None) -> None:
+        """Until a signal, or until another server took over ``running``'s store database."""
+        self.started()
+        waits = [asyncio.create_task(self.event.wait())]
+        if running is not None:
+            waits.append(asyncio.create_task(running.lost_lease.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+
+
+def raise_if_taken_over(running: RunningServer) -> None:
+    """After a stop: one error when another server took over the store's database (the process exits 2)."""
+    if running.lost_lease.is_set():
+        raise UnavailableError(
+            "another server took over the store's database (its writer lease): this one stopped",
+            reason=Reason.NOT_THE_WRITER,
+        )
+
+
 async def serve(config: ServerConfig, ready: Callable[[RunningServer], None] | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then drain and exit."""
-    running = await start_server(config)
+    """Run until SIGTERM or SIGINT (or another server takes over the store's database), then drain and exit."""
+    signals = StopSignals()
+    try:
+        running = await start_server(config)
+    except asyncio.CancelledError:
+        if signals.stopped_while_starting():
+            return
+        raise
     freeze_startup_heap()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready(running)
-    await stop.wait()
+    await signals.wait(running)
     await running.stop()
+    raise_if_taken_over(running)

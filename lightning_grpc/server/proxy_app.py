@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +18,15 @@ from lightning_grpc.processes import freeze_startup_heap
 from lightning_grpc.proxy.app import LLMProxy
 from lightning_grpc.proxy.core import ProxyConfig
 
-from .app import RunningServer, ServerConfig, add_health_and_reflection, listen, start_server
+from .app import (
+    RunningServer,
+    ServerConfig,
+    StopSignals,
+    add_health_and_reflection,
+    listen,
+    raise_if_taken_over,
+    start_server,
+)
 from .auth import interceptors_for
 from .proxy_servicer import PROXY_SERVICE, ProxyServicer, add_proxy_service, service_hook
 
@@ -87,14 +94,6 @@ async def start_with_store(
     return running, proxy
 
 
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-
-
 async def serve_proxy(
     config: ProxyConfig,
     *,
@@ -109,14 +108,21 @@ async def serve_proxy(
     freeze_startup_heap()
     if ready is not None:
         ready(running)
-    await _wait_for_signal()
+    await StopSignals().wait()
     await running.stop(grace)
 
 
 async def serve_with_store(server_config: ServerConfig, proxy_config: ProxyConfig) -> None:
     """``lightning-grpc serve --proxy-backend ...``: the Store and the proxy in one process."""
-    running, proxy = await start_with_store(server_config, proxy_config)
+    signals = StopSignals()
+    try:
+        running, proxy = await start_with_store(server_config, proxy_config)
+    except asyncio.CancelledError:
+        if signals.stopped_while_starting():
+            return
+        raise
     freeze_startup_heap()
-    await _wait_for_signal()
+    await signals.wait(running)
     await proxy.stop(server_config.grace)
     await running.stop()
+    raise_if_taken_over(running)

@@ -67,6 +67,11 @@ class Backend(Protocol):
         write told the store (an idle check found the database gone), so that the outage counts from then."""
         ...
 
+    def on_lease_lost(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called (on the event loop) when another server took over the database this
+        backend wrote (a standby of a shared database): it writes nothing from then on, and its server stops."""
+        ...
+
     def submit(self, tx: Txn) -> asyncio.Future[None] | None: ...
 
     async def query_spans(self, query: SpanQuery) -> list[SpanRecord]: ...
@@ -102,6 +107,9 @@ class MemoryBackend:
 
     def on_outage(self, callback: Callable[[], None]) -> None:
         return None  # memory never fails to write
+
+    def on_lease_lost(self, callback: Callable[[], None]) -> None:
+        return None  # nobody else can write this process's memory
 
     def submit(self, tx: Txn) -> None:
         for rid in tx.deleted_rollouts:

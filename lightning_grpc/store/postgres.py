@@ -18,16 +18,27 @@ connection now and then, so that an outage is seen before a write is caught in i
 The schema is kept in :data:`MIGRATIONS`, a versioned list of SQL statements applied in order at the first
 open and recorded in ``schema_migrations``; adding a version adds an entry at the end, never edits one.
 
-Several servers may point at one database later (a standby waiting on the writer's advisory lock): the
-migrations already run under an advisory lock, so two servers opening an empty database at once create it
-once.
+Several servers may point at one database: exactly one writes it, the one holding the *writer lease*, a
+session advisory lock (:data:`WRITER_LEASE`) taken on its writing connection before it loads anything. The
+others are standbys: their :meth:`PostgresBackend.open` waits on the lock, so they neither load nor serve,
+and the first to get it once the writer is gone (its process killed, its machine lost: PostgreSQL ends the
+session and frees the lock) loads the state from the database and serves it. Every commit goes over the
+connection that holds the lease, so a writer that lost it cannot write: when its connection is replaced it
+takes the lease again without waiting, and if another server holds it by then, the backend refuses every
+write (UNAVAILABLE, ``NOT_THE_WRITER``) and tells its owner (:meth:`PostgresBackend.on_lease_lost`), which
+stops serving. A session of its own that the network cut but PostgreSQL has not ended yet is ended first,
+so a writer does not lose the lease to its own ghost. The migrations run under another advisory lock, so
+servers opening an empty database at once create it once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -132,6 +143,14 @@ MIGRATIONS: list[tuple[int, str, tuple[str, ...]]] = [
 
 #: The advisory lock key the migrations run under (one server migrates at a time).
 MIGRATION_LOCK = 0x6C67_7270_0001
+#: The advisory lock key of the writer lease: the one server holding it on its writing connection writes
+#: the database; every other server pointed at it waits for it (a standby).
+WRITER_LEASE = 0x6C67_7270_0002
+#: Seconds a standby waits on the lease at a time before it looks again at who holds it (and logs it).
+LEASE_WAIT = 10.0
+#: Seconds a writer whose connection was replaced keeps trying to take its lease back from its own earlier
+#: session (which the database is still ending) before it counts the lease as lost.
+LEASE_REGAIN = 3.0
 #: Primary key of each table the store upserts.
 _KEYS = {
     "rollouts": "rollout_id",
@@ -235,10 +254,21 @@ class PostgresBackend:
         self._size = 0
         self._size_at = 0.0
         self._outage_callback: Callable[[], None] | None = None
+        #: Non-empty once another server took the writer lease from this one: says so (nothing is written).
+        self.lease_lost = ""
+        self._lease_callback: Callable[[], None] | None = None
+        #: The connection a standby waits for the lease on (cancelled when the standby is told to stop).
+        self._waiting_conn: psycopg.Connection[Any] | None = None
+        #: This backend's sessions, as ``pg_stat_activity`` shows them (a standby names the writer it waits on).
+        self.session_name = (
+            f"lightning-grpc store {socket.gethostname()[:20]} pid {os.getpid()} {uuid.uuid4().hex[:6]}"
+        )
 
     # ---------------------------------------------------------------- connections
     def _connect(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(self.url, autocommit=True, **_CONNECT_OPTIONS)
+        return psycopg.connect(
+            self.url, autocommit=True, **{**_CONNECT_OPTIONS, "application_name": self.session_name}
+        )
 
     def _unreachable(self, exc: BaseException) -> UnavailableError:
         return UnavailableError(
@@ -248,11 +278,19 @@ class PostgresBackend:
 
     # ---------------------------------------------------------------- start-up
     async def open(self) -> LoadedState:
+        """Take the writer lease (waiting, as a standby, while another server holds it), then load the state."""
         self._loop = asyncio.get_running_loop()
         try:
             state = await self._loop.run_in_executor(self._readers, self._open_sync)
         except psycopg.OperationalError as exc:
             raise self._unreachable(exc) from None
+        except asyncio.CancelledError:
+            self._closing.set()  # a standby told to stop: its wait on the lease is cancelled at once
+            waiting = self._waiting_conn
+            if waiting is not None:
+                with contextlib.suppress(Exception):
+                    waiting.cancel()
+            raise
         self._writer = threading.Thread(
             target=self._write_loop, name="lightning-postgres-writer", daemon=True
         )
@@ -268,6 +306,7 @@ class PostgresBackend:
     def _open_sync(self) -> LoadedState:
         conn = self._connect()
         try:
+            self._take_lease(conn)
             migrate(conn)
             state = self._load(conn)
             self._size = _database_size(conn)
@@ -323,6 +362,74 @@ class PostgresBackend:
     def on_outage(self, callback: Callable[[], None]) -> None:
         self._outage_callback = callback
 
+    # ---------------------------------------------------------------- the writer lease
+    def _take_lease(self, conn: psycopg.Connection[Any]) -> None:
+        """Hold the writer lease on ``conn``, waiting while another server holds it (this one a standby)."""
+        if _try_lease(conn):
+            log.info("event=postgres_writer_lease database=%r waited=0", self.database)
+            return
+        started = time.monotonic()
+        conn.execute(f"SET lock_timeout = {int(LEASE_WAIT * 1000)}")
+        self._waiting_conn = conn
+        try:
+            while True:
+                log.info(
+                    "event=postgres_standby database=%r writer=%r: waiting for the writer lease",
+                    self.database,
+                    lease_holder(conn) or "?",
+                )
+                try:
+                    conn.execute("SELECT pg_advisory_lock(%s)", (WRITER_LEASE,))
+                    break
+                except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled):
+                    if self._closing.is_set():
+                        raise
+        finally:
+            self._waiting_conn = None
+        conn.execute("SET lock_timeout = 0")
+        if self._closing.is_set():  # told to stop while it waited: leave the lease to another standby
+            conn.close()
+            raise asyncio.CancelledError
+        log.info(
+            "event=postgres_writer_lease database=%r waited=%.3f: this server now writes the database",
+            self.database,
+            time.monotonic() - started,
+        )
+
+    def _retake_lease(self, conn: psycopg.Connection[Any]) -> None:
+        """On a new writing connection: take the lease back at once, or learn that another server has it.
+
+        The old connection's session may still hold it (the network cut it; the database ends it only
+        when it notices): that session is this backend's own, so it is ended and the lease taken again."""
+        deadline = time.monotonic() + LEASE_REGAIN
+        while not _try_lease(conn):
+            holder = lease_holder(conn)
+            if holder != self.session_name or time.monotonic() >= deadline:
+                self._lose_lease(holder)
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = %s AND pid <> pg_backend_pid()",
+                (self.session_name,),
+            )
+            time.sleep(0.05)
+        log.info("event=postgres_writer_lease_kept database=%r", self.database)
+
+    def _lose_lease(self, holder: str) -> None:
+        if not self.lease_lost:
+            self.lease_lost = (
+                f"this server lost the store's writer lease to another server ({holder or 'unknown'}), "
+                "which writes the database now: reconnect to it"
+            )
+            log.error("event=postgres_writer_lease_lost database=%r writer=%r", self.database, holder)
+            if self._loop is not None and self._lease_callback is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._lease_callback)
+        raise UnavailableError(self.lease_lost, reason=Reason.NOT_THE_WRITER)
+
+    def on_lease_lost(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called (on the event loop) when another server took the writer lease: this
+        backend writes nothing from then on, and its server must stop serving."""
+        self._lease_callback = callback
+
     def _tell_outage(self) -> None:
         if self._loop is not None and self._outage_callback is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._outage_callback)
@@ -367,12 +474,21 @@ class PostgresBackend:
             self._write_conn = None
 
     def _writer_conn(self) -> psycopg.Connection[Any]:
+        """The connection that holds the writer lease (a new one takes it back, see :meth:`_retake_lease`)."""
+        if self.lease_lost:
+            raise UnavailableError(self.lease_lost, reason=Reason.NOT_THE_WRITER)
         conn = self._write_conn
         if conn is None or conn.closed or conn.broken:
             if conn is not None:
                 conn.close()
             self._write_conn = None
-            conn = self._write_conn = self._connect()
+            conn = self._connect()
+            try:
+                self._retake_lease(conn)
+            except BaseException:
+                conn.close()
+                raise
+            self._write_conn = conn
         return conn
 
     def _drop_writer_conn(self) -> None:
@@ -385,6 +501,8 @@ class PostgresBackend:
         try:
             self._writer_conn().execute("SELECT 1")
         except Exception as exc:
+            if self.lease_lost:
+                return
             if not _is_connection_error(exc, self._write_conn):
                 log.error("event=postgres_probe_failed database=%r error=%r", self.database, exc)
                 return
@@ -426,6 +544,8 @@ class PostgresBackend:
                     for ops, _ in batch:
                         self._apply(conn, ops)
             except BaseException as exc:
+                if self.lease_lost:
+                    return exc
                 if self._closing.is_set() or not isinstance(exc, Exception):
                     log.error(
                         "event=postgres_commit_abandoned database=%r waiting=%d", self.database, len(batch)
@@ -681,6 +801,27 @@ def migrate(conn: psycopg.Connection[Any]) -> list[int]:
     if applied:
         log.info("event=postgres_migrated versions=%s", ",".join(map(str, applied)))
     return applied
+
+
+def _try_lease(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute("SELECT pg_try_advisory_lock(%s)", (WRITER_LEASE,)).fetchone()
+    return bool(row and row[0])
+
+
+def lease_holder(conn: psycopg.Connection[Any]) -> str:
+    """The session holding the writer lease, as it named itself (``application_name``), with its address;
+    empty when none holds it."""
+    high, low = WRITER_LEASE >> 32, WRITER_LEASE & 0xFFFF_FFFF
+    row = conn.execute(
+        "SELECT a.application_name, coalesce(host(a.client_addr), 'local') FROM pg_locks l"
+        " JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory' AND l.granted AND l.classid::bigint = %s AND l.objid::bigint = %s"
+        " AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        (high, low),
+    ).fetchone()
+    if not row:
+        return ""
+    return str(row[0]) if row[1] == "local" else f"{row[0]} from {row[1]}"
 
 
 def _database_size(conn: psycopg.Connection[Any]) -> int:

@@ -272,6 +272,9 @@ class SqliteBackend:
     def on_outage(self, callback: Callable[[], None]) -> None:
         return None  # a full disk is found by a failing commit, which the write waiting on it reports
 
+    def on_lease_lost(self, callback: Callable[[], None]) -> None:
+        return None  # a SQLite file has one server, with nobody waiting to take it over
+
     # ---------------------------------------------------------------- writes
     def submit(self, tx: Txn) -> asyncio.Future[None]:
         """Snapshot the changed rows now (on the event loop) and hand them to the writer."""

@@ -285,7 +285,7 @@ async def list_all(stub: Any, method: str, request: Any, items: str) -> list[Any
         request.page_token = answer.next_page_token
 
 
-async def verify(stub: Any, ledger: Ledger) -> dict[str, int]:
+async def verify(stub: Any, ledger: Ledger, backend: str = "sqlite") -> dict[str, int]:
     """Everything acknowledged is there, each span exactly once; nothing else is."""
     rollouts = {
         r.rollout_id: r
@@ -343,7 +343,7 @@ async def verify(stub: Any, ledger: Ledger) -> dict[str, int]:
         for aid, seqs in per_attempt.items():
             assert len(seqs) == len(set(seqs)) and min(seqs) > 0, f"attempt {aid}: sequence ids {seqs}"
     stats = await stub.GetStatistics(pb.GetStatisticsRequest(), timeout=CALL_TIMEOUT)
-    assert stats.backend == "sqlite"
+    assert stats.backend == backend
     assert (stats.total_rollouts, stats.total_attempts, stats.total_spans) == (
         len(rollouts),
         total_attempts,
