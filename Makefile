@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	# every extra (what `make test` exercises) and the tools; `pip install lightning-grpc` alone is the bare install
 	$(PY) -m pip install --quiet -e '.[all,dev]'
+	# PostgreSQL (Debian's package) when missing: the PostgreSQL backend's tests start their own server with it
+	bash scripts/install_postgres.sh
 	touch $(STAMP)
 
 proto: $(STAMP)

@@ -54,6 +54,20 @@ def postgres() -> Iterator[postgres_server.PostgresServer]:
 
 
 @pytest.fixture
+def own_postgres() -> Iterator[postgres_server.PostgresServer]:
+    """A PostgreSQL server of this test alone (for a test that stops and starts it again)."""
+    reason = postgres_server.why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    server = postgres_server.PostgresServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
 def postgres_url(postgres: postgres_server.PostgresServer) -> Iterator[str]:
     """A new, empty database on the session's PostgreSQL server, dropped after the test."""
     url = postgres.create_database()

@@ -306,7 +306,7 @@ class PostgresBackend:
     def _open_sync(self) -> LoadedState:
         conn = self._connect()
         try:
-            self._take_lease(conn)
+            conn = self._take_lease(conn)
             migrate(conn)
             state = self._load(conn)
             self._size = _database_size(conn)
@@ -363,31 +363,57 @@ class PostgresBackend:
         self._outage_callback = callback
 
     # ---------------------------------------------------------------- the writer lease
-    def _take_lease(self, conn: psycopg.Connection[Any]) -> None:
-        """Hold the writer lease on ``conn``, waiting while another server holds it (this one a standby)."""
+    def _take_lease(self, conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+        """Hold the writer lease, waiting while another server holds it (this one a standby); returns the
+        connection that holds it (a new one when the database went away during the wait)."""
         if _try_lease(conn):
             log.info("event=postgres_writer_lease database=%r waited=0", self.database)
-            return
+            return conn
         started = time.monotonic()
-        conn.execute(f"SET lock_timeout = {int(LEASE_WAIT * 1000)}")
-        self._waiting_conn = conn
-        try:
-            while True:
-                log.info(
-                    "event=postgres_standby database=%r writer=%r: waiting for the writer lease",
-                    self.database,
-                    lease_holder(conn) or "?",
-                )
+        said = None
+        delay = _RETRY[0]
+        while True:
+            try:
+                conn.execute(f"SET lock_timeout = {int(LEASE_WAIT * 1000)}")
+                holder = lease_holder(conn) or "?"
+                if holder != said:  # once, and again whenever another server becomes the writer
+                    log.info(
+                        "event=postgres_standby database=%r writer=%r: waiting for the writer lease",
+                        self.database,
+                        holder,
+                    )
+                    said = holder
+                self._waiting_conn = conn
                 try:
                     conn.execute("SELECT pg_advisory_lock(%s)", (WRITER_LEASE,))
-                    break
-                except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled):
-                    if self._closing.is_set():
-                        raise
-        finally:
-            self._waiting_conn = None
-        conn.execute("SET lock_timeout = 0")
-        if self._closing.is_set():  # told to stop while it waited: leave the lease to another standby
+                finally:
+                    self._waiting_conn = None
+                conn.execute("SET lock_timeout = 0")
+                break
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled):
+                pass
+            except psycopg.OperationalError as exc:
+                if not _is_connection_error(exc, conn):
+                    raise
+                # the database went away while this standby waited: wait for it too, then for the lease
+                conn.close()
+                log.warning(
+                    "event=postgres_standby_reconnecting database=%r error=%s",
+                    self.database,
+                    _first_line(exc),
+                )
+                while not self._closing.wait(delay):
+                    delay = min(delay * 2, _RETRY[1])
+                    try:
+                        conn = self._connect()
+                        break
+                    except psycopg.OperationalError:
+                        continue
+                said = None
+            if self._closing.is_set():  # told to stop while it waited: leave the lease to another standby
+                conn.close()
+                raise asyncio.CancelledError
+        if self._closing.is_set():
             conn.close()
             raise asyncio.CancelledError
         log.info(
@@ -395,6 +421,7 @@ class PostgresBackend:
             self.database,
             time.monotonic() - started,
         )
+        return conn
 
     def _retake_lease(self, conn: psycopg.Connection[Any]) -> None:
         """On a new writing connection: take the lease back at once, or learn that another server has it.
@@ -403,14 +430,11 @@ class PostgresBackend:
         when it notices): that session is this backend's own, so it is ended and the lease taken again."""
         deadline = time.monotonic() + LEASE_REGAIN
         while not _try_lease(conn):
-            holder = lease_holder(conn)
-            if holder != self.session_name or time.monotonic() >= deadline:
-                self._lose_lease(holder)
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE application_name = %s AND pid <> pg_backend_pid()",
-                (self.session_name,),
-            )
+            holder = _lease_session(conn)
+            if (holder is not None and holder[0] != self.session_name) or time.monotonic() >= deadline:
+                self._lose_lease(lease_holder(conn))
+            if holder is not None:  # this backend's own session, cut off: end it (it holds nothing else)
+                conn.execute("SELECT pg_terminate_backend(%s)", (holder[2],))
             time.sleep(0.05)
         log.info("event=postgres_writer_lease_kept database=%r", self.database)
 
@@ -809,19 +833,25 @@ def _try_lease(conn: psycopg.Connection[Any]) -> bool:
 
 
 def lease_holder(conn: psycopg.Connection[Any]) -> str:
-    """The session holding the writer lease, as it named itself (``application_name``), with its address;
-    empty when none holds it."""
+    """The session holding the writer lease, as it named itself, with its address; empty when none holds it."""
+    holder = _lease_session(conn)
+    if holder is None:
+        return ""
+    name, address, _ = holder
+    return name if address == "local" else f"{name} from {address}"
+
+
+def _lease_session(conn: psycopg.Connection[Any]) -> tuple[str, str, int] | None:
+    """(``application_name``, client address or 'local', process id) of the session holding the writer lease."""
     high, low = WRITER_LEASE >> 32, WRITER_LEASE & 0xFFFF_FFFF
     row = conn.execute(
-        "SELECT a.application_name, coalesce(host(a.client_addr), 'local') FROM pg_locks l"
+        "SELECT a.application_name, coalesce(host(a.client_addr), 'local'), a.pid FROM pg_locks l"
         " JOIN pg_stat_activity a ON a.pid = l.pid"
         " WHERE l.locktype = 'advisory' AND l.granted AND l.classid::bigint = %s AND l.objid::bigint = %s"
         " AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
         (high, low),
     ).fetchone()
-    if not row:
-        return ""
-    return str(row[0]) if row[1] == "local" else f"{row[0]} from {row[1]}"
+    return (str(row[0]), str(row[1]), int(row[2])) if row else None
 
 
 def _database_size(conn: psycopg.Connection[Any]) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -215,17 +215,6 @@ def test_serve_postgres_stores_in_the_database(
 
 
 # ---------------------------------------------------------------------- the database goes down
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[postgres_server.PostgresServer]:
-    """A PostgreSQL server of this test alone (it is stopped and started again)."""
-    server = postgres_server.PostgresServer()
-    try:
-        server.start()
-        yield server
-    finally:
-        server.destroy()
 
 
 async def _until(condition: Callable[[], bool], timeout: float = 20.0) -> None:

@@ -29,12 +29,13 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from lightning_grpc.client import StoreClient
-from lightning_grpc.client.channel import channel_target
+from lightning_grpc.client import ClientConfig, StoreClient
+from lightning_grpc.client.channel import channel_target, make_channel
 from lightning_grpc.store.postgres import WRITER_LEASE
 from lightning_grpc.types import RolloutStatus
 from lightning_grpc.v1 import store_service_pb2 as pb
@@ -82,8 +83,9 @@ async def standby(server_process: type[ServerProcess], url: str, port: int) -> S
 
 
 async def first_write_after(target: str, rollout_id: str, since: float) -> float:
-    """Seconds from ``since`` until a write through ``target`` is acknowledged (polled every 20 ms)."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    """Seconds from ``since`` until a write through ``target`` is acknowledged (polled every 20 ms, on a
+    channel made as the clients make theirs)."""
+    async with make_channel(ClientConfig(target=target, retry=None)) as channel:
         stub = pb_grpc.StoreServiceStub(channel)
         request = pb.EnqueueRolloutsRequest(rollouts=[pb.RolloutSpec(rollout_id=rollout_id)])
         while True:
@@ -94,6 +96,14 @@ async def first_write_after(target: str, rollout_id: str, since: float) -> float
                 assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
                 assert time.monotonic() - since < 30, "no writer 30 s after the kill"
                 await asyncio.sleep(0.02)
+
+
+def logged_at(line: str) -> float:
+    """The time a log line was written (its leading ``YYYY-mm-dd HH:MM:SS,mmm``, local time)."""
+    stamp = " ".join(line.split()[:2])
+    return (
+        time.mktime(time.strptime(stamp.split(",")[0], "%Y-%m-%d %H:%M:%S")) + int(stamp.split(",")[1]) / 1000
+    )
 
 
 class Watch:
@@ -140,7 +150,8 @@ async def test_a_standby_takes_over_a_killed_writer_and_loses_nothing(
     ledger = Ledger()
     watch = Watch(target)
     watching = asyncio.create_task(watch.run())
-    without_writer: list[float] = []
+    without_writer: list[float] = []  # from the kill to the first write acknowledged through the target
+    serving: list[float] = []  # from the kill to the standby serving (its log)
     for cycle in range(TAKE_OVERS):
         traffic = Traffic(target, ledger, rng, cycle)
         tasks = [asyncio.create_task(traffic.enqueuer(n)) for n in range(2)]
@@ -149,7 +160,7 @@ async def test_a_standby_takes_over_a_killed_writer_and_loses_nothing(
         await asyncio.sleep(rng.uniform(0.05, 0.8))
         traffic.killed = True
         ledger.in_flight_at_kills.append(traffic.in_flight)
-        killed_at = time.monotonic()
+        killed_at, killed_wall = time.monotonic(), time.time()
         await asyncio.to_thread(current.kill)
         traffic.stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -160,8 +171,9 @@ async def test_a_standby_takes_over_a_killed_writer_and_loses_nothing(
         probe = f"probe-{cycle}"
         without_writer.append(await first_write_after(target, probe, killed_at))
         ledger.rollouts[probe] = pb.RolloutSpec(rollout_id=probe)
-        await asyncio.to_thread(waiting.wait_for, "event=server_started")
+        started = await asyncio.to_thread(waiting.wait_for, "event=server_started")
         assert any("event=postgres_writer_lease" in line for line in waiting.lines)
+        serving.append(logged_at(started) - killed_wall)
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.StoreServiceStub(channel)
             await verify(stub, ledger, "postgres")
@@ -193,7 +205,8 @@ async def test_a_standby_takes_over_a_killed_writer_and_loses_nothing(
     assert sum(ledger.in_flight_at_kills) > 0, "no kill hit a request in flight"
     assert sum(ledger.resent.values()) > 0, "nothing was in flight at any kill"
     print(
-        f"\nwriter kill -9 x{TAKE_OVERS}: seconds without a writer {[round(s, 3) for s in without_writer]}, "
+        f"\nwriter kill -9 x{TAKE_OVERS}: seconds without a writer {[round(s, 3) for s in without_writer]} "
+        f"(the standby serving after {[round(s, 3) for s in serving]}), "
         f"{totals}, in flight at the kills {ledger.in_flight_at_kills}, resent {dict(ledger.resent)}, "
         f"of which already done {dict(ledger.already_done)}, watch resumed {watch.resumed} times over "
         f"{len(watch.revisions)} changes"
@@ -301,3 +314,117 @@ async def test_a_writer_that_lost_its_lease_stops_writing(
     async with StoreClient(second.address) as client:
         assert len(await client.query_rollouts()) == 2
     assert await asyncio.to_thread(second.terminate) == 0
+
+
+def lease_session(url: str) -> tuple[str, int] | None:
+    """(name, process id) of the database session holding the writer lease."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT a.application_name, a.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.classid::bigint = %s AND l.objid::bigint = %s",
+            (WRITER_LEASE >> 32, WRITER_LEASE & 0xFFFF_FFFF),
+        ).fetchone()
+    return (str(row[0]), int(row[1])) if row else None
+
+
+@pytest.mark.timeout(120)
+async def test_a_writer_takes_its_lease_back_from_its_own_cut_off_session(
+    postgres_url: str, server_process: type[ServerProcess]
+) -> None:
+    """The network cut the writer's session, and PostgreSQL has not ended it yet: the lease is still held in
+    the writer's name. The writer, on a new connection, ends that session and goes on writing, rather than
+    losing the lease to itself. (A session under the writer's name that takes the lease the moment the real
+    one ends plays the cut-off session.)"""
+    import psycopg
+
+    server = await writer(server_process, postgres_url, free_port())
+    holder = await asyncio.to_thread(lease_session, postgres_url)
+    assert holder is not None and holder[0].startswith("lightning-grpc store ")
+    name, pid = holder
+    ghost = await asyncio.to_thread(psycopg.connect, postgres_url, autocommit=True, application_name=name)
+    try:
+        waiting = asyncio.create_task(
+            asyncio.to_thread(ghost.execute, "SELECT pg_advisory_lock(%s)", (WRITER_LEASE,))
+        )
+        await asyncio.sleep(0.3)
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        await asyncio.wait_for(waiting, 10)  # the ghost holds the lease now, under the writer's name
+        deadline = time.monotonic() + 15
+        while not any("event=postgres_writer_lease_kept" in line for line in server.lines):
+            assert time.monotonic() < deadline, "".join(server.lines[-20:])
+            await asyncio.sleep(0.1)
+        assert ghost.broken or ghost.closed or not await asyncio.to_thread(_alive, ghost)
+    finally:
+        ghost.close()
+    async with StoreClient(server.address) as client:
+        await client.enqueue_rollouts([{"input": {"i": 1}}])
+        assert len(await client.query_rollouts()) == 1
+    after = await asyncio.to_thread(lease_session, postgres_url)
+    assert after is not None and after[0] == name and after[1] != pid
+    assert await asyncio.to_thread(server.terminate) == 0
+
+
+def _alive(conn: Any) -> bool:
+    try:
+        conn.execute("SELECT 1")
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.timeout(150)
+async def test_a_standby_waits_through_a_database_restart(
+    own_postgres: Any, server_process: type[ServerProcess]
+) -> None:
+    """PostgreSQL restarts while a writer serves and a standby waits: the standby reconnects and waits again
+    (it does not exit), exactly one server writes afterwards, and nothing acknowledged is lost."""
+    url = own_postgres.create_database("lightning")
+    ports = [free_port(), free_port()]
+    addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
+    first = await writer(server_process, url, ports[0])
+    second = await standby(server_process, url, ports[1])
+    async with StoreClient(addresses) as client:
+        before = [
+            r.rollout_id for r in await client.enqueue_rollouts([{"input": {"i": i}} for i in range(5)])
+        ]
+    await asyncio.to_thread(own_postgres.stop, "fast")
+    await asyncio.sleep(1.0)
+    await asyncio.to_thread(own_postgres.start)
+    deadline = time.monotonic() + 60
+    async with StoreClient(addresses) as client:
+        while True:
+            try:
+                after = await client.enqueue_rollouts([{"rollout_id": "after-restart", "input": {"i": 9}}])
+                break
+            except Exception as exc:  # UNAVAILABLE while the writer reconnects
+                assert time.monotonic() < deadline, f"no writer a minute after the restart: {exc}"
+                await asyncio.sleep(0.2)
+        assert after[0].rollout_id == "after-restart"
+        ids = {r.rollout_id for r in await client.query_rollouts()}
+    assert set(before) | {"after-restart"} <= ids
+    assert second.proc is not None and first.proc is not None
+    standby_alive = second.proc.poll() is None
+    writer_alive = first.proc.poll() is None
+    print(
+        f"\nafter the database restart the {'first writer kept' if writer_alive else 'standby took'} the lease"
+    )
+    assert standby_alive, "".join(second.lines[-20:])
+    if writer_alive:  # the writer took its lease back: the standby still waits, having reconnected
+        output = await asyncio.to_thread(_lines_until, second, "event=postgres_standby_reconnecting")
+        assert "event=postgres_standby_reconnecting" in output
+        assert await asyncio.to_thread(first.terminate) == 0
+    else:  # the standby got the lease first: the writer stopped, saying why
+        assert first.proc.returncode == 2
+    assert await asyncio.to_thread(second.terminate) == 0
+
+
+def _lines_until(proc: ServerProcess, event: str) -> str:
+    if proc._drainer is None:  # still a standby: read its output so far
+        try:
+            return proc.wait_for(event, timeout=10)
+        except RuntimeError:
+            return "".join(proc.lines)
+    return "".join(proc.lines)
