@@ -827,6 +827,21 @@ def migrate(conn: psycopg.Connection[Any]) -> list[int]:
     return applied
 
 
+def count_rollouts(url: str) -> int:
+    """The rollouts stored in the database at ``url`` (0 before the store first opened it)."""
+    try:
+        with psycopg.connect(url, autocommit=True, **_CONNECT_OPTIONS) as conn:
+            table = conn.execute("SELECT to_regclass('rollouts')").fetchone()
+            if table is None or table[0] is None:
+                return 0
+            row = conn.execute("SELECT count(*) FROM rollouts").fetchone()
+            return int(row[0]) if row else 0
+    except psycopg.OperationalError as exc:
+        raise UnavailableError(
+            f"cannot reach {describe_url(url)}: {_first_line(exc)}", reason=Reason.DATABASE_UNAVAILABLE
+        ) from None
+
+
 def _try_lease(conn: psycopg.Connection[Any]) -> bool:
     row = conn.execute("SELECT pg_try_advisory_lock(%s)", (WRITER_LEASE,)).fetchone()
     return bool(row and row[0])

@@ -404,6 +404,14 @@ class ServicesSection(_Section):
             "batch, and a resumed run takes the batches it had already drawn instead of drawing new ones."
         ),
     )
+    store_postgres: str = field(
+        default="",
+        metadata=_help(
+            "A PostgreSQL database (a postgresql:// URL) for the store the run starts, instead of "
+            "store_path's SQLite file (the [postgres] extra). A fresh run needs it empty of rollouts; a "
+            "resumed run finds its rollouts and batches there."
+        ),
+    )
     restarts: int = field(
         default=5,
         metadata=_help(
@@ -555,7 +563,7 @@ class ExperimentConfig:
     @property
     def store_file(self) -> Path | None:
         """The SQLite file of the store the run starts (None: in memory, or a store the run does not start)."""
-        if self.services.store or not self.services.store_path:
+        if self.services.store or self.services.store_postgres or not self.services.store_path:
             return None
         return self.output_dir / self.services.store_path
 

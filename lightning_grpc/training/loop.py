@@ -225,6 +225,8 @@ class TrainingRun:
         self.db = config.store_file
         if resume is None:  # a fresh start: an earlier run's store there would answer with its batches
             recovery.clear_for_fresh_start(self.out, self.db, checkpoints=False)
+            if config.services.store_postgres and not config.services.store:
+                recovery.check_database_is_empty(config.services.store_postgres)
         self.journal = Journal(self._prepared_output())
         self.metrics = MetricsLog(self.out)
         #: Groups submitted and not yet in a batch (async mode carries them over steps; kept in checkpoints).

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from lightning_grpc import logs
 from lightning_grpc.batching import RunInterruption
+from lightning_grpc.errors import FailedPreconditionError
 
 from .learner import STATE_FILE
 from .sharded import SHARDED_DIR
@@ -133,6 +134,19 @@ def clear_for_fresh_start(output_dir: Path, db: Path | None, *, checkpoints: boo
             if (output_dir / name).is_dir():
                 shutil.rmtree(output_dir / name)
     (output_dir / JOURNAL).unlink(missing_ok=True)
+
+
+def check_database_is_empty(url: str) -> None:
+    """Before a fresh run on ``services.store_postgres``: an earlier run's rollouts there would be taken for
+    this run's (and are not this run's to delete), so the database must hold none."""
+    from lightning_grpc.store.postgres import count_rollouts, describe_url
+
+    found = count_rollouts(url)
+    if found:
+        raise FailedPreconditionError(
+            f"services.store_postgres: {describe_url(url)} holds {found} rollouts of an earlier run; a fresh "
+            "run needs an empty database (create another, or resume the run that wrote them)"
+        )
 
 
 #: A process of the run that died, and how the run went on (one line of ``interruptions.jsonl``, and what

@@ -152,7 +152,14 @@ class ServerProcess:
         self.address = self.proxy_url = self.dashboard_url = ""
 
     def args(self, policy_version: int) -> list[str]:
-        where = ["--db", str(self.db)] if self.db is not None else ["--memory"]
+        postgres = self.config.services.store_postgres
+        where = (
+            ["--postgres", postgres]
+            if postgres
+            else ["--db", str(self.db)]
+            if self.db is not None
+            else ["--memory"]
+        )
         ports = ["--port", _port(self.address), "--proxy-port", _port(self.proxy_url)]
         if self.dashboard_url:
             ports += ["--dashboard-port", _port(self.dashboard_url)]
