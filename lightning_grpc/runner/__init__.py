@@ -1,7 +1,7 @@
 """Run agents on rollouts from the Store."""
 
 from .agent import FunctionAgent, Hook, LitAgent, rollout, routed_resources
-from .fleet import RayFleet, RunnerSpec, load_agent, run_processes
+from .fleet import RayFleet, RayPlacement, RunnerSpec, load_agent, run_processes
 from .llm import openai_client
 from .runner import RolloutOutcome, Runner, default_worker_id, run_forever
 from .stats import system_snapshot
@@ -11,6 +11,7 @@ __all__ = [
     "Hook",
     "LitAgent",
     "RayFleet",
+    "RayPlacement",
     "RolloutOutcome",
     "Runner",
     "RunnerSpec",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import multiprocessing
@@ -137,11 +138,32 @@ def run_processes(spec: RunnerSpec, processes: int) -> int:
     return 0 if all(code in clean for code in codes) else 1
 
 
+@dataclass(frozen=True)
+class RayPlacement:
+    """Where one actor of a :class:`RayFleet` runs: its runner's worker id (the one the store records on
+    every attempt it runs) and its Ray node."""
+
+    worker_id: str
+    node_id: str
+    node_ip: str
+
+
 class RayFleet:
-    """Runners as Ray actors (one Runner per actor, each running ``concurrency`` rollouts at once)."""
+    """Runners as Ray actors (one Runner per actor, each running ``concurrency`` rollouts at once).
+
+    ``scheduling_strategy`` is handed to Ray for every actor: ``"SPREAD"`` places them over the cluster's
+    nodes as evenly as their resources allow (runners on every machine of the cluster); None, the default,
+    leaves it to Ray's default policy, which favours the node the fleet is started from.
+    """
 
     def __init__(
-        self, spec: RunnerSpec, actors: int, *, address: str | None = None, num_cpus: float = 0.5
+        self,
+        spec: RunnerSpec,
+        actors: int,
+        *,
+        address: str | None = None,
+        num_cpus: float = 0.5,
+        scheduling_strategy: Any = None,
     ) -> None:
         ray = import_extra("ray", "ray")
         self.ray = ray
@@ -157,12 +179,20 @@ class RayFleet:
                 log_to_driver=True,
                 ignore_reinit_error=True,
             )
-        actor_class: Any = ray.remote(num_cpus=num_cpus)(_RunnerActor)
+        options: dict[str, Any] = {"num_cpus": num_cpus}
+        if scheduling_strategy is not None:
+            options["scheduling_strategy"] = scheduling_strategy
+        actor_class: Any = ray.remote(**options)(_RunnerActor)
         self.actors: list[Any] = [actor_class.remote(spec.for_runner(i)) for i in range(actors)]
         self._runs = [actor.run.remote() for actor in self.actors]
 
     def stop(self) -> None:
         self.ray.get([actor.stop.remote() for actor in self.actors])
+
+    def placements(self, timeout: float | None = 60.0) -> list[RayPlacement]:
+        """Where each actor runs (in the order of :attr:`actors`), once its runner is built."""
+        found = self.ray.get([actor.placement.remote() for actor in self.actors], timeout=timeout)
+        return [RayPlacement(*where) for where in found]
 
     def wait(self, timeout: float | None = None) -> list[int]:
         """Completed rollouts per actor once every actor has stopped."""
@@ -183,12 +213,28 @@ class _RunnerActor:
         self.spec = spec
         self.runner: Runner | None = None
         self._stopped = False
+        self._failed: BaseException | None = None
 
     async def run(self) -> int:
-        self.runner = self.spec.build()
+        try:
+            self.runner = self.spec.build()
+        except BaseException as exc:
+            self._failed = exc
+            raise
         if self._stopped:
             return 0
         return await self.runner.run()
+
+    async def placement(self) -> tuple[str, str, str]:
+        """This actor's runner's worker id, its Ray node id and that node's IP address."""
+        import ray
+
+        while self.runner is None:  # ``run`` builds it: it was sent first, so this is a moment at most
+            if self._failed is not None:
+                raise RuntimeError(f"the runner could not be built: {self._failed!r}")
+            await asyncio.sleep(0.01)
+        context = ray.get_runtime_context()
+        return self.runner.worker_id, context.get_node_id(), ray.util.get_node_ip_address()
 
     async def stop(self) -> None:
         self._stopped = True
