@@ -6,8 +6,13 @@
 
 Peers, each server in its own process on 127.0.0.1: Agent Lightning 0.3.0's store (its own HTTP
 server and client, installed by bench/agl_setup.py into bench/.venv-agl), a no-op grpc.aio server
-(the Python gRPC ceiling), and lightning-grpc with the memory and the SQLite backend. Ratios are
-always lightning-grpc's figure divided by the peer's figure from the same run.
+(the Python gRPC ceiling), and lightning-grpc with the memory, the SQLite and the PostgreSQL backend.
+Ratios are always lightning-grpc's figure divided by the peer's figure from the same run.
+
+PostgreSQL runs on a throwaway cluster the bench starts once per bench run (tests/store/postgres_server.py's
+``initdb``/``pg_ctl``, with fsync, synchronous_commit and full_page_writes on, as durable as SQLite's default
+synchronous=FULL) and destroys at the end; every ``serve --postgres`` gets a fresh database. Without
+PostgreSQL or psycopg the bench prints one line saying why and leaves out only the PostgreSQL rows.
 
 The training-batch workload (bench/trainer_batch.py) runs against a fresh `serve` of each backend:
 `TrainerClient.get_batch` against a per-row loop over the public span query, and the batch's bytes on
@@ -181,14 +186,105 @@ def server(
             proc.kill()
 
 
-def ours(name: str, db: Path | None, *extra: str) -> Any:
-    where = ["--db", str(db)] if db else ["--memory"]
+def ours(name: str, db: Path | None, *extra: str, postgres: str | None = None) -> Any:
+    where = ["--postgres", postgres] if postgres else ["--db", str(db)] if db else ["--memory"]
     argv = [PY, "-m", "lightning_grpc.cli.main", "serve", "--port", "0", *where, *extra]
     return server(name, argv, re.compile(r"event=server_started address=127\.0\.0\.1:(\d+)"))
 
 
 #: SQLite with synchronous=NORMAL (``lightning_grpc_sqlite`` runs the default, FULL).
 SQLITE_NORMAL = "lightning_grpc_sqlite_normal"
+#: ``serve --postgres`` against a fresh database on the bench's own PostgreSQL cluster.
+POSTGRES = "lightning_grpc_postgres"
+#: Every system whose rows the tables show, in their order.
+SYSTEMS = (
+    "agentlightning",
+    "ceiling",
+    "lightning_grpc_memory",
+    "lightning_grpc_sqlite",
+    SQLITE_NORMAL,
+    POSTGRES,
+)
+
+
+# ------------------------------------------------------------------ PostgreSQL
+
+#: The bench cluster's settings: durable, to compare with SQLite's default synchronous=FULL (the tests'
+#: cluster runs with fsync and full_page_writes off). The rest are PostgreSQL's defaults.
+POSTGRES_SETTINGS = {
+    "fsync": "on",
+    "synchronous_commit": "on",
+    "full_page_writes": "on",
+    "max_connections": "200",
+}
+
+
+def _postgres_helper() -> Any:
+    """tests/store/postgres_server.py, loaded from its file (bench/ is not a package beside tests/)."""
+    import importlib.util
+
+    path = ROOT / "tests" / "store" / "postgres_server.py"
+    spec = importlib.util.spec_from_file_location("bench_postgres_server", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BenchPostgres:
+    """A throwaway PostgreSQL cluster for one bench run, with :data:`POSTGRES_SETTINGS`; ``None`` from
+    :meth:`start` (and :attr:`why`) when there can be none here."""
+
+    def __init__(self) -> None:
+        self.server: Any = None
+        self.why = ""
+        self.info: dict[str, Any] = {}
+        self._count = 0
+
+    def start(self) -> BenchPostgres | None:
+        try:
+            helper = _postgres_helper()
+        except (ImportError, OSError) as exc:
+            self.why = f"the PostgreSQL test helper cannot be loaded ({exc})"
+            return None
+        self.why = helper.why_unavailable()
+        if self.why:
+            return None
+        try:
+            self.server = helper.PostgresServer()  # initdb into a temporary directory
+            srv = self.server
+            options = f"-c listen_addresses=127.0.0.1 -p {srv.port} -c unix_socket_directories={srv.root} "
+            options += " ".join(f"-c {k}={v}" for k, v in POSTGRES_SETTINGS.items())
+            srv._run(
+                "pg_ctl", "-D", str(srv.data), "-l", str(srv.log), "-o", options, "-w", "-t", "60", "start"
+            )
+            self.info = self._settings()
+        except Exception as exc:  # any failure to start only leaves out the PostgreSQL rows
+            last = (str(exc).strip().splitlines() or [repr(exc)])[-1]
+            self.why = f"PostgreSQL did not start: {last[:200]}"
+            self.destroy()
+            return None
+        return self
+
+    def _settings(self) -> dict[str, Any]:
+        import psycopg
+
+        names = ("server_version", *POSTGRES_SETTINGS, "shared_buffers", "wal_level")
+        with psycopg.connect(self.server.url()) as conn:
+            info: dict[str, Any] = {n: conn.execute(f"SHOW {n}").fetchone()[0] for n in names}  # type: ignore[index]
+        info["psycopg"] = psycopg.__version__
+        return info
+
+    def database(self, label: str) -> str:
+        """A new, empty database of the cluster; its URL."""
+        self._count += 1
+        return str(self.server.create_database(f"bench_{self._count}_{re.sub(r'[^a-z0-9]', '_', label)}"))
+
+    def destroy(self) -> None:
+        if self.server is not None:
+            self.server.destroy()
+            self.server = None
 
 
 def ceiling() -> Any:
@@ -305,7 +401,9 @@ def run_agl(srv: Server, sizes: Sizes) -> dict[str, Any]:
     return out
 
 
-def one_run(sizes: Sizes, workdir: Path, index: int, log: Any) -> dict[str, Any]:
+def one_run(
+    sizes: Sizes, workdir: Path, index: int, log: Any, pg: BenchPostgres | None = None
+) -> dict[str, Any]:
     run: dict[str, Any] = {}
     log(f"run {index}: ceiling")
     with ceiling() as srv:
@@ -324,6 +422,17 @@ def one_run(sizes: Sizes, workdir: Path, index: int, log: Any) -> dict[str, Any]
     with ours(SQLITE_NORMAL, workdir / f"run{index}.normal.db", "--sqlite-sync", "normal") as srv:
         results = run_grpc_store(srv, sizes, setup=True)
         run[SQLITE_NORMAL] = {"results": results, "peak_rss_mib": round(srv.rss.peak / 2**20, 1)}
+    # the same store workloads on PostgreSQL (durable settings), a fresh database of the bench's cluster
+    if pg is not None:
+        log(f"run {index}: {POSTGRES}")
+        try:
+            with ours(POSTGRES, None, postgres=pg.database(f"run{index}")) as srv:
+                results = run_grpc_store(srv, sizes, setup=True)
+                run[POSTGRES] = {"results": results, "peak_rss_mib": round(srv.rss.peak / 2**20, 1)}
+        except RuntimeError as exc:  # a server that did not start: only the PostgreSQL rows go
+            last = (str(exc).strip().splitlines() or [repr(exc)])[-1]
+            log(f"run {index}: {POSTGRES} left out: {last[:200]}")
+            run[POSTGRES] = {"results": {}, "peak_rss_mib": None, "error": str(exc)[-2000:]}
     if sizes.agl and AGL_PY.exists():
         log(f"run {index}: agentlightning")
         with agl() as srv:
@@ -516,6 +625,11 @@ def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
         filter(None, [w8("lightning_grpc_sqlite", s) for s in ("unary64", "stream64")]), default=None
     )
     agl_best = w8("agentlightning", "otlp64")
+    best_ours_pg = max(filter(None, [w8(POSTGRES, s) for s in ("unary64", "stream64")]), default=None)
+
+    def cycle(system: str) -> float | None:
+        return figure(run, system, "rollout_cycle/k32", "rollouts_per_s")
+
     ours_systems = ("lightning_grpc_memory", "lightning_grpc_sqlite")
     vs_ceiling = [ratio(w8("lightning_grpc_memory", s), w8("ceiling", s)) for s in ("unary64", "stream64")]
     return {
@@ -536,6 +650,13 @@ def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
             figure(run, "lightning_grpc_memory", "rollout_cycle/k32", "rollouts_per_s"),
             figure(run, "agentlightning", "rollout_cycle/k32", "rollouts_per_s"),
         ),
+        # PostgreSQL (fsync and synchronous_commit on) against the peer, and against SQLite's default (FULL)
+        "span_ingest_w8_vs_agl_postgres": ratio(best_ours_pg, agl_best),
+        "rollout_cycle_k32_vs_agl_postgres": ratio(cycle(POSTGRES), cycle("agentlightning")),
+        "postgres_vs_sqlite_span_ingest": ratio(
+            w8(POSTGRES, "stream64"), w8("lightning_grpc_sqlite", "stream64")
+        ),
+        "postgres_vs_sqlite_rollout_cycle": ratio(cycle(POSTGRES), cycle("lightning_grpc_sqlite")),
         # the worse backend: the lower speedup, the higher wire ratio
         "trainer_batch_speedup": worst([figure(run, s, "trainer_batch", "speedup") for s in ours_systems]),
         "trainer_batch_wire_ratio": worst(
@@ -580,6 +701,10 @@ def versions() -> dict[str, str]:
     import sqlite3
 
     out["sqlite"] = sqlite3.sqlite_version
+    try:
+        out["psycopg"] = version("psycopg")
+    except Exception:  # not installed: no PostgreSQL rows either
+        pass
     return out
 
 
@@ -622,7 +747,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {goal['name']} | {_fmt(goal['value'], 2)} | {goal['target']} | {'yes' if goal['met'] else 'no'} |"
         )
     lines += ["", "| workload | system | figure | runs |", "|---|---|---|---|"]
-    systems = ["agentlightning", "ceiling", "lightning_grpc_memory", "lightning_grpc_sqlite", SQLITE_NORMAL]
+    systems = list(SYSTEMS)
     keys: list[str] = []
     for run in runs:
         for system in systems:
@@ -653,11 +778,34 @@ def markdown(report: dict[str, Any]) -> str:
         f"(peak {_fmt(fill.get('peak_rss_mib'), 1)} MiB), database {_fmt(fill.get('db_mib'), 1)} MiB, "
         f"ingest {_fmt(fill.get('spans_per_s'))} spans/s.",
         "",
+        *postgres_markdown(report),
     ]
     lines += trainer_batch_markdown(runs)
     lines += trainer_loop_markdown(report.get("trainer_loop"))
     lines += proxy_markdown(report.get("proxy_overhead"))
     return "\n".join(lines) + "\n"
+
+
+def postgres_markdown(report: dict[str, Any]) -> list[str]:
+    """The PostgreSQL cluster's settings and its ratios, or why there are no PostgreSQL rows."""
+    pg = report.get("postgres") or {}
+    if "skipped" in pg:
+        return [f"PostgreSQL rows skipped: {pg['skipped']}", ""]
+    if not pg:
+        return []
+    r = report["ratios"]
+    return [
+        f"PostgreSQL ({POSTGRES}): {pg.get('server_version', '?').split()[0]}, a throwaway cluster started for "
+        "this bench run on the same disk as SQLite's files, a fresh database per server; "
+        f"fsync={pg.get('fsync')}, synchronous_commit={pg.get('synchronous_commit')}, "
+        f"full_page_writes={pg.get('full_page_writes')} (SQLite: lightning_grpc_sqlite synchronous=FULL, "
+        f"{SQLITE_NORMAL} NORMAL). Its peak RSS above is the lightning-grpc server's, not PostgreSQL's. "
+        f"Worst over runs: span ingest W=8 ÷ Agent Lightning (OTLP batches) {_fmt(r.get('span_ingest_w8_vs_agl_postgres'), 2)}, "
+        f"rollout cycle K=32 ÷ Agent Lightning {_fmt(r.get('rollout_cycle_k32_vs_agl_postgres'), 2)}; "
+        f"÷ SQLite (FULL): span ingest W=8 stream64 {_fmt(r.get('postgres_vs_sqlite_span_ingest'), 2)}, "
+        f"rollout cycle K=32 {_fmt(r.get('postgres_vs_sqlite_rollout_cycle'), 2)}.",
+        "",
+    ]
 
 
 def trainer_batch_markdown(runs: list[dict[str, Any]]) -> list[str]:
@@ -836,12 +984,24 @@ def main(argv: list[str] | None = None) -> int:
         log("setting up Agent Lightning 0.3.0 in bench/.venv-agl")
         subprocess.run([PY, str(BENCH / "agl_setup.py")], check=True, cwd=ROOT)
     workdir = Path(tempfile.mkdtemp(prefix="lightning-bench-"))
+    cluster = BenchPostgres()
+    pg = cluster.start()
+    if pg is None:
+        log(f"PostgreSQL rows skipped: {cluster.why}")
+    else:
+        settings = ", ".join(
+            f"{k}={cluster.info.get(k)}" for k in ("fsync", "synchronous_commit", "full_page_writes")
+        )
+        log(
+            f"PostgreSQL {cluster.info.get('server_version', '?').split()[0]} started for this run ({settings})"
+        )
     try:
-        runs = [one_run(sizes, workdir, i + 1, log) for i in range(sizes.runs)]
+        runs = [one_run(sizes, workdir, i + 1, log, pg) for i in range(sizes.runs)]
         fill = rss_after_fill(sizes, workdir, log)
         proxy = proxy_overhead(profile, workdir, log)
         loop = trainer_loop(profile, log)
     finally:
+        cluster.destroy()
         shutil.rmtree(workdir, ignore_errors=True)
     per_run = [run_ratios(run) for run in runs]
     ratios = {
@@ -868,6 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
         "completion_latency_p99_ms": latency,
         "rss_1m_spans_sqlite_mib": rss,
         "rss_after_fill": fill,
+        "postgres": cluster.info if pg is not None else {"skipped": cluster.why},
         "proxy_overhead": proxy,
         "trainer_loop": loop,
         "runs": runs,
