@@ -33,8 +33,8 @@ def make_channel(config: ClientConfig) -> grpc.aio.Channel:
         ("grpc.keepalive_permit_without_calls", 1),
         # After a lost connection, look again within 0.1 s (gRPC's default: 1 s), backing off to 5 s: a
         # standby serves a few tens of ms after its writer dies, and a restarted server about as soon.
+        # (grpc.min_reconnect_backoff_ms stays at its 20 s: it is how long one connection attempt may take.)
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 5000),
     ]
     compression = grpc.Compression.Gzip if config.gzip else None

@@ -106,8 +106,15 @@ def failure_code(exc: BaseException) -> str:
 class Traffic:
     """Concurrent clients of one server process, recording what it acknowledged."""
 
-    def __init__(self, address: str, ledger: Ledger, rng: random.Random, cycle: int) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(
+        self,
+        address: str,
+        ledger: Ledger,
+        rng: random.Random,
+        cycle: int,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.channel = channel or grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.StoreServiceStub(self.channel)
         self.ledger = ledger
         self.rng = rng

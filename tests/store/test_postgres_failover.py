@@ -64,6 +64,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def client_channel(target: str) -> grpc.aio.Channel:
+    """A channel as the clients make theirs (how soon it looks again for a lost server included), without
+    their retries: the test sees every failure."""
+    return make_channel(ClientConfig(target=target, retry=None))
+
+
 def serve_args(url: str, port: int) -> list[str]:
     return ["--postgres", url, "--port", str(port), "--grace", "2", "--log-level", "INFO"]
 
@@ -85,7 +91,7 @@ async def standby(server_process: type[ServerProcess], url: str, port: int) -> S
 async def first_write_after(target: str, rollout_id: str, since: float) -> float:
     """Seconds from ``since`` until a write through ``target`` is acknowledged (polled every 20 ms, on a
     channel made as the clients make theirs)."""
-    async with make_channel(ClientConfig(target=target, retry=None)) as channel:
+    async with client_channel(target) as channel:
         stub = pb_grpc.StoreServiceStub(channel)
         request = pb.EnqueueRolloutsRequest(rollouts=[pb.RolloutSpec(rollout_id=rollout_id)])
         while True:
@@ -153,7 +159,7 @@ async def test_a_standby_takes_over_a_killed_writer_and_loses_nothing(
     without_writer: list[float] = []  # from the kill to the first write acknowledged through the target
     serving: list[float] = []  # from the kill to the standby serving (its log)
     for cycle in range(TAKE_OVERS):
-        traffic = Traffic(target, ledger, rng, cycle)
+        traffic = Traffic(target, ledger, rng, cycle, client_channel(target))
         tasks = [asyncio.create_task(traffic.enqueuer(n)) for n in range(2)]
         tasks += [asyncio.create_task(traffic.worker(n, use_stream=n % 2 == 0)) for n in range(4)]
         await wait_for_traffic(traffic, 30)
@@ -174,7 +180,7 @@ async def test_a_standby_takes_over_a_killed_writer_and_loses_nothing(
         started = await asyncio.to_thread(waiting.wait_for, "event=server_started")
         assert any("event=postgres_writer_lease" in line for line in waiting.lines)
         serving.append(logged_at(started) - killed_wall)
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with client_channel(target) as channel:
             stub = pb_grpc.StoreServiceStub(channel)
             await verify(stub, ledger, "postgres")
             await resend_unanswered(stub, ledger)
@@ -182,7 +188,7 @@ async def test_a_standby_takes_over_a_killed_writer_and_loses_nothing(
         old_port = ports[0] if current.port == ports[0] else ports[1]
         current, waiting = waiting, await standby(server_process, postgres_url, old_port)
 
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with client_channel(target) as channel:
         stub = pb_grpc.StoreServiceStub(channel)
         while (
             await stub.DequeueRollouts(pb.DequeueRolloutsRequest(max_rollouts=10_000), timeout=CALL_TIMEOUT)
