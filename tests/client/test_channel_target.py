@@ -31,7 +31,7 @@ def test_several_addresses_become_one_ordered_address_list() -> None:
     ],
 )
 def test_a_bad_list_is_refused_naming_the_address(target: str, message: str) -> None:
-    with pytest.raises(InvalidArgumentError, match="target: .*") as err:
+    with pytest.raises(InvalidArgumentError) as err:
         channel_target(target)
     assert message in err.value.message and err.value.field == "target"
 

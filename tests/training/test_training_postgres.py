@@ -28,5 +28,5 @@ def test_a_run_keeps_its_store_in_postgres_and_a_fresh_run_wants_an_empty_databa
 
     (tmp_path / "again").mkdir()
     again = experiment(tmp_path / "again", tiny_model, services={"store_postgres": postgres_url})
-    with pytest.raises(FailedPreconditionError, match="services.store_postgres: .* holds \\d+ rollouts"):
+    with pytest.raises(FailedPreconditionError, match=r"services.store_postgres: .* holds \d+ rollouts"):
         run_experiment(again, progress=False)
