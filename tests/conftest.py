@@ -32,6 +32,13 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(params=STORE_BACKENDS, name="backend")
+def every_store_backend(request: pytest.FixtureRequest) -> str:
+    """The ``backend`` of a test file that runs on PostgreSQL too (``from tests.conftest import
+    every_store_backend``): memory, SQLite and PostgreSQL (skipped, saying why, where it cannot run)."""
+    return str(request.param)
+
+
 @pytest.fixture
 def server_config(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> ServerConfig:
     if backend == "postgres":

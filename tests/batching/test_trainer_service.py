@@ -27,7 +27,10 @@ from lightning_grpc.server.app import RunningServer
 from lightning_grpc.types import Span
 from lightning_grpc.v1 import trainer_service_pb2 as pb
 from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess
+from tests.conftest import (
+    ServerProcess,
+    every_store_backend,  # noqa: F401  (runs on PostgreSQL too)
+)
 from tests.helpers import llm_call, reward_span
 
 

@@ -29,9 +29,9 @@ from lightning_grpc.server.otlp import TRACE_SERVICE
 from lightning_grpc.types import Span
 from lightning_grpc.v1 import span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
+from tests.conftest import every_store_backend  # noqa: F401  (runs on PostgreSQL too)
 
 # ------------------------------------------------------------------ a stock OpenTelemetry program
-
 #: Runs in its own interpreter: only the OpenTelemetry SDK and its OTLP/gRPC exporter, configured
 #: by the standard environment variables. Prints the exporter's results and the spans it sent.
 EXPORTER_PROGRAM = r"""

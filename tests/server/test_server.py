@@ -23,6 +23,7 @@ from lightning_grpc.server.app import RunningServer, ServerConfig, TlsFiles, sta
 from lightning_grpc.tracing import emit_reward
 from lightning_grpc.types import RolloutConfig, RolloutStatus
 from lightning_grpc.v1 import store_service_pb2 as pb
+from tests.conftest import every_store_backend  # noqa: F401  (runs on PostgreSQL too)
 from tests.helpers import make_span, make_spans
 
 

@@ -14,6 +14,7 @@ from lightning_grpc.v1 import span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 from tests import robustness_helpers
+from tests.conftest import every_store_backend  # noqa: F401  (runs on PostgreSQL too)
 from tests.robustness_helpers import (
     INVALID,
     OK,

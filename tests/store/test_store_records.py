@@ -27,6 +27,7 @@ from lightning_grpc.types import (
     RolloutStatus,
 )
 from lightning_grpc.v1 import store_service_pb2 as pb
+from tests.conftest import every_store_backend  # noqa: F401  (runs on PostgreSQL too)
 from tests.helpers import make_spans
 
 
@@ -191,7 +192,7 @@ async def test_statistics_count_everything(client: StoreClient) -> None:
         1,
         1,
     )
-    assert s.queue_length == 2 and s.uptime > 0 and s.backend in ("memory", "sqlite")
+    assert s.queue_length == 2 and s.uptime > 0 and s.backend in ("memory", "sqlite", "postgres")
 
 
 async def test_delete_removes_finished_rollouts_with_their_attempts_and_spans(client: StoreClient) -> None:

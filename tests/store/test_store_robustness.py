@@ -49,7 +49,10 @@ from lightning_grpc.v1 import rollout_pb2, span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 from tests import robustness_helpers
-from tests.conftest import ServerProcess
+from tests.conftest import (
+    ServerProcess,
+    every_store_backend,  # noqa: F401  (runs on PostgreSQL too)
+)
 from tests.robustness_helpers import (
     ABORTED,
     ACTIVE_ATTEMPT,
