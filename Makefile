@@ -125,9 +125,11 @@ breaking: $(STAMP)
 	if [ -n "$$tag" ]; then $(BIN)/buf breaking --against ".git#tag=$$tag"; \
 	else echo "buf breaking: no release tag yet, nothing to compare against"; fi
 
-# Benchmarks (never part of `make test`): `make bench` (~15 min) or `make bench QUICK=1` (~3 min).
+# Benchmarks (never part of `make test`): `make bench` (~15 min, then the scaling curve ~20 min) or
+# `make bench QUICK=1` (~3 min, then ~3 min). bench/scaling.py writes bench/results/scaling.{json,md,png}.
 bench: $(STAMP)
 	$(PY) bench/run.py $(if $(QUICK),--quick,)
+	$(PY) bench/scaling.py $(if $(QUICK),--quick,)
 
 # The project with its `verl` extra (verl 0.9.1 on CPU) in a second environment: the verl backend's tests
 # and the parity test of lightning_grpc/training/ppo.py against verl's core_algos (`make test` skips them,
