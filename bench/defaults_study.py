@@ -301,7 +301,7 @@ def render(results: list[RunResult], args: argparse.Namespace, started: str, pla
         "one training run at a time, CPU embedded engine"
     )
     out.append(
-        f"- Every run: examples/combination_lock/config.toml (async mode, 16 groups x 8 per step) with "
+        f"- Every run: examples/combination_lock/config.toml (async mode, 16 groups a step; each setting says its group size) with "
         f"experiment.steps = {args.steps}, experiment.seed = the seed, validation.every = 5 "
         "(8 held-out locks x 8 samples), validation.target = 0.8 (a run stops when reached), a fresh tiny "
         "model built with the seed"
