@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from bench.chaos_probe import read_store  # the long probe reads a run's store back the same way
 from lightning_grpc.batching.groups import BATCH_KEY
+from lightning_grpc.client import StoreClient
 from lightning_grpc.examples.combination_lock import train_tasks, write_jsonl
 from lightning_grpc.training import recovery
 from lightning_grpc.training.plan import PLAN_EPOCH_KEY, PLAN_POSITION_KEY, PLAN_TASK_KEY
@@ -137,6 +138,28 @@ def wait_for_recovery(out: Path, process: str, count: int, timeout: float = 120)
         time.sleep(0.2)
 
 
+def wait_until_holding(run: Run, runner: psutil.Process, timeout: float = 60) -> None:
+    """Until ``runner`` runs a rollout (the store shows an attempt of its worker id running), so that its
+    kill cuts one short: a kill between two steps' generations would find it idle and prove nothing."""
+    cmdline = run.child("serve").cmdline()
+    address = f"127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"  # fixed since the server's restart
+
+    async def poll() -> None:
+        deadline = time.monotonic() + timeout
+        async with StoreClient(address) as store:
+            while time.monotonic() < deadline:
+                running = await store.query_rollouts(status_in=["running"])
+                held = [
+                    r for r in running if r.latest_attempt and f"-{runner.pid}-" in r.latest_attempt.worker_id
+                ]
+                if held:
+                    return
+                await asyncio.sleep(0.02)
+        raise AssertionError(f"runner {runner.pid} ran no rollout in {timeout:.0f} s")
+
+    asyncio.run(poll())
+
+
 def kill(process: psutil.Process) -> None:
     process.send_signal(signal.SIGKILL)
     process.wait(10)
@@ -157,7 +180,9 @@ def test_a_run_killed_anywhere_ends_as_the_run_never_interrupted(tmp_path: Path,
     kill(run.child("engine"))
     wait_for_recovery(out, "engine", 1)
     run.wait_for_step(4)
-    kill(run.child("runner"))
+    runner = run.child("runner")
+    wait_until_holding(run, runner)
+    kill(runner)
     wait_for_recovery(out, "runners-0", 1)
     run.wait_for_step(7)
     children = psutil.Process(run.proc.pid).children()
