@@ -46,9 +46,9 @@ def server_config(backend: str, tmp_path: Path, request: pytest.FixtureRequest) 
     return ServerConfig(port=0, db=tmp_path / "store.db" if backend == "sqlite" else None, grace=1.0)
 
 
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[postgres_server.PostgresServer]:
-    """A PostgreSQL server for the whole session (loopback only, trust authentication), removed at the end."""
+def _running_postgres() -> Iterator[postgres_server.PostgresServer]:
+    """A started PostgreSQL server (loopback only, trust authentication), removed afterwards; the test is
+    skipped, saying why, where none can run."""
     reason = postgres_server.why_unavailable()
     if reason:
         pytest.skip(reason)
@@ -58,20 +58,18 @@ def postgres() -> Iterator[postgres_server.PostgresServer]:
         yield server
     finally:
         server.destroy()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[postgres_server.PostgresServer]:
+    """A PostgreSQL server for the whole session."""
+    yield from _running_postgres()
 
 
 @pytest.fixture
 def own_postgres() -> Iterator[postgres_server.PostgresServer]:
     """A PostgreSQL server of this test alone (for a test that stops and starts it again)."""
-    reason = postgres_server.why_unavailable()
-    if reason:
-        pytest.skip(reason)
-    server = postgres_server.PostgresServer()
-    try:
-        server.start()
-        yield server
-    finally:
-        server.destroy()
+    yield from _running_postgres()
 
 
 @pytest.fixture

@@ -740,24 +740,7 @@ class PostgresBackend:
 
     @staticmethod
     def _span_filters(q: SpanQuery) -> tuple[list[str], list[Any]]:
-        where = ["rollout_id = %s"]
-        params: list[Any] = [q.rollout_id]
-        if q.attempt_no:
-            where.append("attempt_no = %s")
-            params.append(q.attempt_no)
-        for column, value in (
-            ("trace_id", q.trace_id),
-            ("span_id", q.span_id),
-            ("parent_span_id", q.parent_span_id),
-            ("name", q.name),
-        ):
-            if value:
-                where.append(f"{column} = %s")
-                params.append(value)
-        if q.name_contains:
-            where.append("strpos(name, %s) > 0")
-            params.append(q.name_contains)
-        return where, params
+        return rows.span_filters(q, mark="%s", contains="strpos(name, %s) > 0")
 
     def storage_bytes(self) -> int:
         """The database's size as PostgreSQL counts it (refreshed after commits, at most every few seconds)."""

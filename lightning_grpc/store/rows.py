@@ -22,6 +22,7 @@ from lightning_grpc.types import (
     WorkerStatus,
 )
 
+from .backend import SpanQuery
 from .state import AttemptState, ResourcesState, RolloutState, Txn, WorkerState
 
 #: The largest signed 64-bit integer: span times are kept in such columns (the body keeps the exact fixed64).
@@ -283,6 +284,29 @@ SPAN_COLUMNS = (
     "end_ns",
     "body",
 )
+
+
+def span_filters(q: SpanQuery, *, mark: str, contains: str) -> tuple[list[str], list[Any]]:
+    """The WHERE conditions of a span query and their parameters, in a database's own placeholder (``mark``:
+    ``?`` or ``%s``) and substring test (``contains``: a template of the name column and a placeholder)."""
+    where = [f"rollout_id = {mark}"]
+    params: list[Any] = [q.rollout_id]
+    if q.attempt_no:
+        where.append(f"attempt_no = {mark}")
+        params.append(q.attempt_no)
+    for column, value in (
+        ("trace_id", q.trace_id),
+        ("span_id", q.span_id),
+        ("parent_span_id", q.parent_span_id),
+        ("name", q.name),
+    ):
+        if value:
+            where.append(f"{column} = {mark}")
+            params.append(value)
+    if q.name_contains:
+        where.append(contains)
+        params.append(q.name_contains)
+    return where, params
 
 
 def txn_ops(tx: Txn) -> list[Op]:

@@ -462,24 +462,7 @@ class SqliteBackend:
 
     @staticmethod
     def _span_filters(q: SpanQuery) -> tuple[list[str], list[Any]]:
-        where = ["rollout_id = ?"]
-        params: list[Any] = [q.rollout_id]
-        if q.attempt_no:
-            where.append("attempt_no = ?")
-            params.append(q.attempt_no)
-        for column, value in (
-            ("trace_id", q.trace_id),
-            ("span_id", q.span_id),
-            ("parent_span_id", q.parent_span_id),
-            ("name", q.name),
-        ):
-            if value:
-                where.append(f"{column} = ?")
-                params.append(value)
-        if q.name_contains:
-            where.append("instr(name, ?) > 0")
-            params.append(q.name_contains)
-        return where, params
+        return rows.span_filters(q, mark="?", contains="instr(name, ?) > 0")
 
     def storage_bytes(self) -> int:
         """The database file and its write-ahead log and shared-memory files, as they are now."""
