@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import heapq
 import json
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -47,6 +48,19 @@ def page_size(value: int, default: int = DEFAULT_PAGE_SIZE, maximum: int = MAX_P
     if value == 0:
         return default
     return min(value, maximum)
+
+
+def keyset_page_of(
+    rows: list[T], key: Callable[[T], tuple[Any, ...]], size: int, after: Any, descending: bool = False
+) -> tuple[list[T], list[Any] | None]:
+    """:func:`keyset_page` of ``rows`` in any order: only the page is sorted (the smallest keys after the
+    cursor, or the largest when ``descending``), not every row."""
+    if after is not None:
+        rows = keyset_page(rows, key, len(rows), after, descending)[0]  # the rows past the cursor
+    pick = heapq.nlargest if descending else heapq.nsmallest
+    top = pick(size + 1, rows, key=key)
+    page = top[:size]
+    return page, (list(key(page[-1])) if len(top) > size else None)
 
 
 def keyset_page(

@@ -594,6 +594,55 @@ async def test_watch_sends_progress_messages_and_refuses_bad_tokens(client: Stor
             pass
 
 
+# ------------------------------------------------------------------ listing by status
+
+
+async def test_a_status_filter_lists_exactly_the_rollouts_in_that_status_through_every_change(
+    client: StoreClient,
+) -> None:
+    """ListRollouts by status walks the rollouts filed under each status: after enqueues, claims, runs,
+    successes, failures with and without a retry, cancels and deletes, every status (and a pair of them) lists
+    exactly what a listing of everything shows in it, in order, page by page, both ways."""
+    ids = [r.rollout_id for r in await client.enqueue_rollouts([{"input": {"i": i}} for i in range(24)])]
+    retrying = RolloutConfig(max_attempts=2, retry_on=list(RETRY_ALL))
+    ids += [r.rollout_id for r in await client.enqueue_rollouts([{"input": {"i": 99}, "config": retrying}])]
+    claimed = []
+    for n in range(14):
+        d = await client.dequeue_rollout(worker_id=f"w{n % 3}")
+        assert d is not None and d.latest_attempt is not None
+        claimed.append((d.rollout_id, d.latest_attempt.attempt_id))
+    for rid, aid in claimed[:3]:
+        await client.add_spans([make_span("step")], rollout_id=rid, attempt_id=aid)  # running
+    for rid, aid in claimed[3:7]:
+        await client.complete_attempt(rid, aid, "succeeded")
+    for rid, aid in claimed[7:9]:
+        await client.complete_attempt(rid, aid, "failed")
+    await client.cancel_rollout(claimed[9][0], "stop")
+    await client.cancel_rollout(ids[-2], "never started")
+    await client.delete_rollouts(rollout_ids=[claimed[3][0], claimed[7][0]])
+
+    everything = [r for r in await client.query_rollouts()]
+    for statuses in [[s] for s in RolloutStatus] + [[RolloutStatus.QUEUING, RolloutStatus.SUCCEEDED]]:
+        for descending in (False, True):
+            expected = [r.rollout_id for r in everything if r.status in statuses]
+            if descending:
+                expected.reverse()
+            listed, token = [], ""
+            while True:
+                page = await client.list_rollouts(
+                    status_in=statuses, page_size=4, page_token=token, descending=descending
+                )
+                assert page.total_size == len(expected), (statuses, page.total_size, expected)
+                listed += [r.rollout_id for r in page.items]
+                token = page.next_page_token
+                if not token:
+                    break
+            assert listed == expected, (statuses, descending)
+    counts = {s: sum(r.status == s for r in everything) for s in RolloutStatus}
+    assert counts[RolloutStatus.SUCCEEDED] == 3 and counts[RolloutStatus.CANCELLED] == 2
+    assert counts[RolloutStatus.RUNNING] == 3 and counts[RolloutStatus.PREPARING] == 4
+
+
 # ------------------------------------------------------------------ workers
 
 

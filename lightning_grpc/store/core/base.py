@@ -121,6 +121,10 @@ class StoreBase:
         self.store_id = ""
         self._started_at = time.monotonic()
         self._rollouts: dict[str, RolloutState] = {}
+        #: The rollouts of each status (a status filter of ListRollouts walks only its own), and the status
+        #: each rollout is filed under; kept by :meth:`_file_by_status`, on every change of a rollout.
+        self._by_status: dict[RolloutStatus, dict[str, RolloutState]] = {s: {} for s in RolloutStatus}
+        self._filed_status: dict[str, RolloutStatus] = {}
         self._attempts: dict[str, AttemptState] = {}
         self._queue: dict[str, None] = {}
         self._queue_seq = itertools.count(1)
@@ -162,6 +166,23 @@ class StoreBase:
                 "the server is shutting down; reconnect and call again (a watch resumes from its last token)",
                 reason=Reason.SHUTTING_DOWN,
             )
+
+    # ------------------------------------------------------------------ the index by status
+    def _file_by_status(self, rs: RolloutState) -> None:
+        """File ``rs`` under its status now (called with every recorded change, and at load)."""
+        rid, status = rs.rollout.rollout_id, rs.rollout.status
+        filed = self._filed_status.get(rid)
+        if filed is status:
+            return
+        if filed is not None:
+            self._by_status[filed].pop(rid, None)
+        self._by_status[status][rid] = rs
+        self._filed_status[rid] = status
+
+    def _unfile(self, rid: str) -> None:
+        filed = self._filed_status.pop(rid, None)
+        if filed is not None:
+            self._by_status[filed].pop(rid, None)
 
     # ------------------------------------------------------------------ commit plumbing
     def _check_writable(self, *, frees_space: bool = False) -> None:

@@ -53,6 +53,7 @@ class MemoryBound(StoreBase):
         result = DeleteResult()
         for rid in ids:
             rs = self._rollouts.pop(rid)
+            self._unfile(rid)
             result.deleted_rollouts += 1
             for ast in rs.attempts:
                 self._attempts.pop(ast.attempt.attempt_id, None)

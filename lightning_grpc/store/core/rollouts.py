@@ -77,6 +77,7 @@ class RolloutsSection(SpanStaging):
         rs.bytes = self._estimate_rollout_bytes(rs)
         self._memory_bytes += rs.bytes
         self._rollouts[rollout.rollout_id] = rs
+        self._file_by_status(rs)
         tx.rollouts[rollout.rollout_id] = rs
         return rs
 
@@ -398,6 +399,9 @@ class RolloutsSection(SpanStaging):
             source: Iterable[RolloutState] = (
                 self._rollouts[i] for i in dict.fromkeys(rollout_ids) if i in self._rollouts
             )
+        elif status_set and not match_any:  # so do the statuses: only the rollouts filed under them
+            source = (rs for status in status_set for rs in self._by_status[status].values())
+            del tests[0]  # the status test: every rollout filed there passes it
         else:
             source = self._rollouts.values()
         combine = any if match_any else all
@@ -406,8 +410,7 @@ class RolloutsSection(SpanStaging):
         def cursor(rs: RolloutState) -> tuple[Any, ...]:
             return (key(rs.rollout), rs.create_seq)
 
-        matches.sort(key=cursor, reverse=descending)
-        page, nxt = paging.keyset_page(matches, cursor, size, after, descending)
+        page, nxt = paging.keyset_page_of(matches, cursor, size, after, descending)
         token = paging.make_token(nxt, filters) if nxt is not None else ""
         await self._durable()
         return Page(

@@ -26,6 +26,7 @@ class Transitions(MemoryBound):
     # ------------------------------------------------------------------ change log and queue
     def _record_change(self, rs: RolloutState, tx: Txn) -> None:
         """Append the rollout as it is now to the change log (one entry per rollout per operation)."""
+        self._file_by_status(rs)
         rid = rs.rollout.rollout_id
         if (
             tx.changes
