@@ -32,7 +32,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -235,6 +235,51 @@ def sink_for(client: StoreClient | LocalStoreClient) -> SpanSink:
     return StreamSink.of(client)
 
 
+class _Outbox:
+    """The batches of one session, in the order they are to go: first those to send again, then each new one.
+
+    Closed when its session ends, so that whatever still reads it stops: grpc.aio goes on reading the request
+    iterator of a call that has already ended (it cancels that reader only when the call is cancelled while
+    still running), and a reader left waiting on a queue shared by every session would take the next batch
+    meant for the new session and drop it.
+    """
+
+    def __init__(self, resend: list[SpanBatch], max_in_flight: int) -> None:
+        self.queue: collections.deque[SpanBatch] = collections.deque(resend)
+        self.ready = asyncio.Event()
+        #: Batches sent and not yet answered, at most ``max_in_flight``; released by each answer.
+        self.window = asyncio.Semaphore(max_in_flight)
+        self.closed = False
+        if resend:
+            self.ready.set()
+
+    def put(self, batch: SpanBatch) -> None:
+        if not self.closed:
+            self.queue.append(batch)
+            self.ready.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.ready.set()
+        self.window.release()  # a reader waiting for room wakes, and stops
+
+    async def batches(self, unacked: Mapping[int, SpanBatch]) -> AsyncIterator[SpanBatch]:
+        """The batches to send, as they come, while ``unacked`` holds them; ends once the outbox is closed."""
+        while True:
+            while not self.queue and not self.closed:
+                self.ready.clear()
+                await self.ready.wait()
+            if self.closed:
+                return
+            batch = self.queue.popleft()
+            if batch.batch_id not in unacked:
+                continue  # acknowledged meanwhile
+            await self.window.acquire()
+            if self.closed:
+                return
+            yield batch
+
+
 # ------------------------------------------------------------------ the shipper
 
 
@@ -291,7 +336,7 @@ class SpanShipper:
             self._wake = asyncio.Event()
             self._has_work = asyncio.Event()
             self._progress = asyncio.Condition()
-            self._to_send: asyncio.Queue[SpanBatch] = asyncio.Queue()
+            self._outbox = _Outbox([], self.max_in_flight)
             self._tasks = [
                 asyncio.create_task(self._batch_forever(), name=f"{self.name}-batcher"),
                 asyncio.create_task(self._send_forever(), name=f"{self.name}-sender"),
@@ -445,7 +490,7 @@ class SpanShipper:
         batch = SpanBatch(self._next_batch, key, spans, tracked)
         self._next_batch += 1
         self._unacked[batch.batch_id] = batch
-        self._to_send.put_nowait(batch)
+        self._outbox.put(batch)
         self._has_work.set()
 
     # ---------------------------------------------------------------- sending
@@ -457,20 +502,18 @@ class SpanShipper:
                 self._has_work.clear()
                 continue
             # Everything unacknowledged goes (again) on the new session, oldest first.
-            resend = list(self._unacked.values())
-            while not self._to_send.empty():
-                self._to_send.get_nowait()
-            window = asyncio.Semaphore(self.max_in_flight)
+            self._outbox = outbox = _Outbox(list(self._unacked.values()), self.max_in_flight)
             try:
-                async with contextlib.aclosing(self.sink.session(self._requests(resend, window))) as acks:
+                async with contextlib.aclosing(self.sink.session(outbox.batches(self._unacked))) as acks:
                     async for batch_id, error in acks:
-                        window.release()
+                        outbox.window.release()
                         backoff = 0.1
                         self._acknowledge(batch_id, error)
                         async with self._progress:
                             self._progress.notify_all()
                 raise ConnectionResetError("the Store ended the session")
             except Exception as exc:  # the way to the Store broke: open it again, resend
+                outbox.close()
                 if not self._unacked:
                     continue  # the session went idle and broke; nothing to resend
                 self.stats.reconnects += 1
@@ -484,21 +527,12 @@ class SpanShipper:
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
-
-    async def _requests(self, resend: list[SpanBatch], window: asyncio.Semaphore) -> AsyncIterator[SpanBatch]:
-        for batch in resend:
-            await window.acquire()
-            yield batch
-        while True:
-            batch = await self._to_send.get()
-            if batch.batch_id not in self._unacked:
-                continue  # acknowledged meanwhile
-            await window.acquire()
-            yield batch
+            finally:
+                outbox.close()
 
     def _send_again(self, batch: SpanBatch) -> None:
         if batch.batch_id in self._unacked and not self._closed:
-            self._to_send.put_nowait(batch)
+            self._outbox.put(batch)
 
     # ---------------------------------------------------------------- the Store's answers
     def _acknowledge(self, batch_id: int, error: LightningError | None) -> None:

@@ -23,7 +23,7 @@ from opentelemetry.trace import Status, StatusCode
 from lightning_grpc import logs, semconv
 from lightning_grpc.access import Role, credential_claims
 from lightning_grpc.client import ClientConfig, StoreClient
-from lightning_grpc.errors import FailedPreconditionError, LightningError, NotFoundError
+from lightning_grpc.errors import FailedPreconditionError, LightningError, NotFoundError, UnavailableError
 from lightning_grpc.tracing import (
     AttemptContext,
     LightningSpanProcessor,
@@ -88,6 +88,7 @@ class Runner:
         token: str | None = None,
         include_gpu_stats: bool = True,
         connect_timeout: float = 30.0,
+        spans_timeout: float = 30.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -104,6 +105,10 @@ class Runner:
         self.include_gpu_stats = include_gpu_stats
         #: At start-up, how long to wait for the store before giving up (later, it reconnects for ever).
         self.connect_timeout = connect_timeout
+        #: How long an attempt that ended waits for the store to acknowledge its spans before it is reported;
+        #: when they are still not stored, the attempt fails (a success without its spans, its reward among
+        #: them, would be a rollout that training cannot use) and its retry policy decides.
+        self.spans_timeout = spans_timeout
         self.completed = 0
         #: Of the completed rollouts: how many the agent finished, failed (an exception), or stopped.
         self.succeeded = 0
@@ -306,11 +311,16 @@ class Runner:
                 root.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:1000]))
             await self._call_hooks("on_trace_end", r)
         if self._streamer is not None:
-            stored = await self._streamer.aflush(r.rollout_id, attempt.attempt_id, timeout=30)
+            stored = await self._streamer.aflush(r.rollout_id, attempt.attempt_id, timeout=self.spans_timeout)
             if not stored:
                 log.warning(
                     "event=spans_not_flushed rollout_id=%s attempt_id=%s", r.rollout_id, attempt.attempt_id
                 )
+                if error is None and not ctx.stop.is_set():
+                    error = UnavailableError(
+                        f"the store did not acknowledge this attempt's spans within {self.spans_timeout:g} s "
+                        "(Runner spans_timeout): it is reported failed rather than succeeded without them"
+                    )
         final = await self._report(r, ctx, error)
         if self._processor is not None:
             self._processor.unroute(ctx.attempt_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -189,3 +190,41 @@ async def test_spans_refused_by_a_full_store_arrive_once_it_has_room(path: str) 
             assert stored.attributes["wanted"] is True
     finally:
         await running.stop()
+
+
+# ------------------------------------------------------------------ a stream that broke
+
+
+async def test_every_batch_after_a_broken_stream_goes_on_the_next_one(
+    server_process: Any, tmp_path: Any
+) -> None:
+    """A stream that broke with a batch in flight leaves nothing behind that takes batches meant for the next
+    stream (grpc.aio goes on reading the request iterator of a call that has ended): the batch in flight at
+    the break, and every batch submitted after the reconnect, are sent on the new stream and stored."""
+    db = str(tmp_path / "store.db")
+    server = server_process("--db", db, "--port", "0").start()
+    target = server.address
+    async with StoreClient(target) as client:
+        r = await client.start_rollout({"x": 1})
+    assert r.latest_attempt is not None
+    ids = (r.rollout_id, r.latest_attempt.attempt_id)
+    streamer = SpanStreamer(target, linger=0)
+    try:
+        streamer.submit(*ids, body(make_span(*ids, n=0)))
+        assert await streamer.aflush(timeout=10)  # the stream is open
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)  # the next batch goes out and is never answered
+        streamer.submit(*ids, body(make_span(*ids, n=1)))
+        assert not await streamer.aflush(timeout=0.5)
+        server.kill()  # the stream breaks with that batch in flight
+        await asyncio.to_thread(server_process("--db", db, "--port", str(server.port)).start)
+        assert await streamer.aflush(timeout=10), "the batch in flight at the break was never stored"
+        for n in range(2, 7):
+            streamer.submit(*ids, body(make_span(*ids, n=n)))
+            assert await streamer.aflush(timeout=10), f"span {n}, sent after the reconnect, was never stored"
+        async with StoreClient(target) as client:
+            stored = await client.query_spans(r.rollout_id)
+        assert sorted(s.attributes["n"] for s in stored) == list(range(7))
+        assert streamer.stats.reconnects >= 1 and streamer.stats.rejected == 0
+    finally:
+        await asyncio.to_thread(streamer.close, 2)

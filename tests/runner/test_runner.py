@@ -666,3 +666,53 @@ def test_a_stop_before_the_runner_starts_is_kept(server_process: Any) -> None:
     started = time.monotonic()
     assert asyncio.run(asyncio.wait_for(runner.run(), 20)) == 0
     assert time.monotonic() - started < 10
+
+
+async def test_an_attempt_whose_spans_the_store_cannot_take_fails_rather_than_succeeds_without_them() -> None:
+    """A store that keeps refusing an attempt's spans for now (its memory full): once ``spans_timeout`` has
+    passed, the attempt is reported failed, saying why, and not succeeded without its reward span."""
+    from opentelemetry import trace
+
+    from lightning_grpc.errors import ResourceExhaustedError
+    from lightning_grpc.server.app import ServerConfig, start_server
+    from tests.helpers import make_spans
+
+    running = await start_server(ServerConfig(port=0, max_memory_bytes=200_000))
+    target = f"127.0.0.1:{running.port}"
+
+    @rollout
+    def big(task: Any) -> float:
+        with trace.get_tracer("tests.big").start_as_current_span("big") as span:
+            span.set_attribute("blob", "w" * 40_000)
+        return 1.0
+
+    try:
+        async with StoreClient(target) as client:
+            queued = await client.enqueue_rollout({"i": 0})
+            filler = await client.start_rollout({"filler": True})
+            assert filler.latest_attempt is not None
+            with pytest.raises(ResourceExhaustedError):
+                for _ in range(60):
+                    spans = make_spans(20)
+                    for span in spans:
+                        span.attributes["blob"] = "z" * 900
+                    await client.add_spans(
+                        spans, rollout_id=filler.rollout_id, attempt_id=filler.latest_attempt.attempt_id
+                    )
+            ended: list[Rollout] = []
+
+            class Ends(Hook):
+                def on_rollout_end(self, rollout: Rollout, result: Any, error: BaseException | None) -> None:
+                    ended.append(rollout)
+
+            runner = Runner(big, target, max_rollouts=1, poll_wait=0.2, spans_timeout=1.0, hooks=[Ends()])
+            assert await runner.run() == 1
+            assert (runner.succeeded, runner.failed) == (0, 1)
+            # as the store answered the report (a full in-memory store may evict the finished rollout next)
+            [final] = ended
+            assert final.rollout_id == queued.rollout_id and final.status == RolloutStatus.FAILED
+            assert final.latest_attempt is not None and final.latest_attempt.status == AttemptStatus.FAILED
+            message = final.latest_attempt.status_message
+            assert "the store did not acknowledge this attempt's spans within 1 s" in message
+    finally:
+        await running.stop()
