@@ -166,3 +166,34 @@ class PostgresServer:
         name = url.rsplit("/", 1)[1]
         with psycopg.connect(self.url(), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def main() -> int:
+    """``python -m tests.store.postgres_server``: a throwaway server with one database, for a test written in
+    another language (the TypeScript client's). Prints ``url=URL`` once it serves, or ``unavailable=REASON``
+    (exit 3) when none can be started here; removes everything on SIGTERM, or once its parent is gone."""
+    reason = why_unavailable()
+    if reason:
+        print(f"unavailable={reason}", flush=True)
+        return 3
+    parent = os.getppid()
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    server = PostgresServer()
+    try:
+        server.start()
+        print(f"url={server.create_database()}", flush=True)
+        while not stopping and os.getppid() == parent:
+            time.sleep(0.2)
+    finally:
+        server.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

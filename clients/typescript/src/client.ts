@@ -12,6 +12,7 @@ import { createClient, type Client, type Interceptor, type Transport } from "@co
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { randomUUID } from "node:crypto";
 import { DeadlineExceededError, fromConnectError, NotFoundError, typed, UnavailableError } from "./errors.js";
+import { FailoverTransport, targetAddresses } from "./failover.js";
 import { RETRYABLE_METHODS } from "./gen/lightning/v1/retryable_methods.js";
 import type { Resource, ResourcesUpdate } from "./gen/lightning/v1/resource_pb.js";
 import {
@@ -70,7 +71,10 @@ export const DEFAULT_RETRY: RetryConfig = Object.freeze({
  * as in the Python client, everywhere in this package; a name ending in `Ms` is in milliseconds.
  */
 export interface ClientConfig {
-  /** host:port of the server (or an http:// / https:// URL); 127.0.0.1:4747 when left out. */
+  /**
+   * host:port of the server (or an http:// / https:// URL); 127.0.0.1:4747 when left out. Several,
+   * comma-separated, for a store with standbys: its writer and standbys, whichever serves (FailoverTransport).
+   */
   readonly target?: string;
   /** The admin token, or a runner or attempt credential; sent as `authorization: Bearer ...`. */
   readonly token?: string;
@@ -121,18 +125,34 @@ export function isRetryable(method: { readonly parent: { readonly typeName: stri
 export function retrying(retry: RetryConfig): Interceptor {
   return (next) => async (req) => {
     if (req.stream || !isRetryable(req.method)) return next(req);
-    let backoff = retry.initialBackoffMs;
-    for (let attempt = 1; ; attempt++) {
-      try {
-        return await next(req);
-      } catch (error) {
-        const typed = fromConnectError(error);
-        if (!(typed instanceof UnavailableError) || attempt >= retry.maxAttempts || req.signal.aborted) throw error;
-        await sleep(Math.random() * backoff, req.signal);
-        backoff = Math.min(backoff * retry.backoffMultiplier, retry.maxBackoffMs);
-      }
-    }
+    return withRetries(retry, req.signal, () => next(req));
   };
+}
+
+/** `transport` with the retries of `retrying` (for a transport that is not made with interceptors). */
+export function retryingTransport(transport: Transport, retry: RetryConfig): Transport {
+  return {
+    unary: (method, signal, timeoutMs, header, input, contextValues) => {
+      const call = () => transport.unary(method, signal, timeoutMs, header, input, contextValues);
+      return isRetryable(method) ? withRetries(retry, signal, call) : call();
+    },
+    stream: (method, signal, timeoutMs, header, input, contextValues) =>
+      transport.stream(method, signal, timeoutMs, header, input, contextValues),
+  };
+}
+
+async function withRetries<T>(retry: RetryConfig, signal: AbortSignal | undefined, call: () => Promise<T>): Promise<T> {
+  let backoff = retry.initialBackoffMs;
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await call();
+    } catch (error) {
+      const typed = fromConnectError(error);
+      if (!(typed instanceof UnavailableError) || attempt >= retry.maxAttempts || signal?.aborted) throw error;
+      await sleep(Math.random() * backoff, signal);
+      backoff = Math.min(backoff * retry.backoffMultiplier, retry.maxBackoffMs);
+    }
+  }
 }
 
 /**
@@ -162,20 +182,30 @@ async function* typedStream<M>(stream: AsyncIterable<M>): AsyncIterable<M> {
   }
 }
 
-/** The one place a transport is made: TLS, credential, retries and typed errors. */
+/**
+ * The one place a transport is made: TLS, credential, retries and typed errors. A target of several
+ * comma-separated addresses (a store's writer and its standbys) gets one transport per address behind a
+ * FailoverTransport, with the retries around it, so that a retried call goes to the next address.
+ */
 export function createTransport(config: string | ClientConfig = DEFAULT_TARGET): Transport {
   const c = clientConfig(config);
+  const addresses = targetAddresses(c.target);
   const interceptors: Interceptor[] = [];
-  if (c.retry) interceptors.push(retrying(c.retry));
+  if (c.retry && addresses.length === 1) interceptors.push(retrying(c.retry));
   if (c.token) interceptors.push(bearer(c.token));
-  return createGrpcTransport({
-    baseUrl: baseUrl(c),
-    interceptors,
-    defaultTimeoutMs: ms(c.timeout),
-    nodeOptions: c.tls
-      ? { ca: c.tls.rootCertificates, key: c.tls.privateKey, cert: c.tls.certificateChain }
-      : undefined,
-  });
+  const transports = addresses.map((target) =>
+    createGrpcTransport({
+      baseUrl: baseUrl({ ...c, target }),
+      interceptors,
+      defaultTimeoutMs: ms(c.timeout),
+      nodeOptions: c.tls
+        ? { ca: c.tls.rootCertificates, key: c.tls.privateKey, cert: c.tls.certificateChain }
+        : undefined,
+    }),
+  );
+  if (transports.length === 1) return transports[0] as Transport;
+  const failover = new FailoverTransport(transports, addresses);
+  return c.retry ? retryingTransport(failover, c.retry) : failover;
 }
 
 export interface AttemptHeartbeat {

@@ -1,5 +1,6 @@
 /** lightning-grpc's TypeScript client: the generated contract, the Store, Trainer and Proxy clients, spans and a runner. */
 export * from "./client.js";
+export { FailoverTransport, targetAddresses } from "./failover.js";
 export * from "./trainer.js";
 export * from "./proxy.js";
 export * from "./errors.js";

@@ -91,9 +91,9 @@ export interface Server {
   stop(): Promise<void>;
 }
 
-/** `lightning-grpc serve` on free ports (memory store unless args say otherwise), with its proxy when asked. */
+/** `lightning-grpc serve` on free ports (memory store unless args name a --db or --postgres), with its proxy when asked. */
 export async function startServer(args: string[] = [], env: NodeJS.ProcessEnv = QUIET): Promise<Server> {
-  const child = start("server", CLI, ["serve", "--port", "0", "--grace", "1", "--no-dashboard", ...(args.some((a) => a === "--db") ? [] : ["--memory"]), ...args], env);
+  const child = start("server", CLI, ["serve", "--port", "0", "--grace", "1", "--no-dashboard", ...(args.some((a) => a === "--db" || a === "--postgres") ? [] : ["--memory"]), ...args], env);
   const address = logField(await child.waitFor("event=server_started"), "address");
   const proxied = args.some((a) => a.startsWith("--proxy"));
   const proxyUrl = proxied ? logField(await child.waitFor("event=proxy_started"), "http_address") : "";
@@ -136,4 +136,31 @@ export async function eventually<T>(what: string, probe: () => Promise<T | undef
     if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
     await new Promise((r) => setTimeout(r, 100));
   }
+}
+
+/** The repository's Python (for its test helpers run as modules). */
+export const PYTHON = process.env.LIGHTNING_GRPC_PYTHON ?? join(ROOT, ".venv", "bin", "python");
+
+/**
+ * A throwaway PostgreSQL server with one database (tests/store/postgres_server.py), or why none can be
+ * started here (no PostgreSQL, no psycopg): `{ reason }`.
+ */
+export async function startPostgres(): Promise<{ url: string; child: Child } | { reason: string }> {
+  const child = start("postgres", PYTHON, ["-m", "tests.store.postgres_server"]);
+  const line = await child.waitFor("=", 120_000);
+  if (line.startsWith("unavailable=")) return { reason: line.slice("unavailable=".length) };
+  return { url: logField(line, "url"), child };
+}
+
+/** A TCP port free on 127.0.0.1 now. */
+export async function freePort(): Promise<number> {
+  const { createServer } = await import("node:net");
+  return new Promise((resolvePort, reject) => {
+    const probe = createServer();
+    probe.once("error", reject);
+    probe.listen(0, "127.0.0.1", () => {
+      const address = probe.address();
+      probe.close(() => resolvePort(typeof address === "object" && address ? address.port : 0));
+    });
+  });
 }
