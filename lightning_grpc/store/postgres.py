@@ -492,7 +492,7 @@ class PostgresBackend:
             error = self._commit(batch)
             assert self._loop is not None
             for _, fut in batch:
-                self._loop.call_soon_threadsafe(_resolve, fut, error)
+                self._loop.call_soon_threadsafe(rows.resolve, fut, error)
         if self._write_conn is not None:
             self._write_conn.close()
             self._write_conn = None
@@ -610,40 +610,27 @@ class PostgresBackend:
             return None
 
     def _commit_deletes_first(self, conn: psycopg.Connection[Any], batch: list[Any]) -> bool:
-        """While ``batch`` waits for space: commit the deletes submitted since, ahead of it; every other
-        submission joins the batch. Returns whether a delete was committed (room may have been made)."""
+        """While ``batch`` waits for space: commit the deletes submitted since, ahead of it (rows.commit_deletes_first)."""
         assert self._loop is not None
-        freed = False
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return freed
-            if item is None:  # closing: leave the sentinel for the write loop
-                self._queue.put(None)
-                return freed
+        loop = self._loop
+
+        def try_delete(item: rows.Submission, deleted: set[str]) -> rows.DeleteOutcome:
             ops, fut = item
-            deleted = {rid for kind, payload in ops if kind == "delete" for rid in payload}
-            if not deleted:
-                batch.append(item)
-                continue
-            for earlier, _ in batch:
-                rows.drop_rows_of(earlier, deleted)
             try:
                 with conn.transaction():
                     self._apply(conn, ops)
             except Exception as exc:
-                if not _is_full(exc):
-                    if _is_connection_error(exc, conn):
-                        batch.append(item)
-                        return freed
-                    self._loop.call_soon_threadsafe(_resolve, fut, exc)
-                    continue
-                batch.append(item)  # not even room to delete: it waits with the rest
-                continue
-            freed = True
+                if _is_full(exc):
+                    return rows.DeleteOutcome.WAITS
+                if _is_connection_error(exc, conn):
+                    return rows.DeleteOutcome.OUT_OF_REACH
+                loop.call_soon_threadsafe(rows.resolve, fut, exc)
+                return rows.DeleteOutcome.REFUSED
             log.info("event=postgres_deleted_while_full database=%r rollouts=%d", self.database, len(deleted))
-            self._loop.call_soon_threadsafe(_resolve, fut, None)
+            loop.call_soon_threadsafe(rows.resolve, fut, None)
+            return rows.DeleteOutcome.COMMITTED
+
+        return rows.commit_deletes_first(self._queue, batch, try_delete)
 
     def _apply(self, conn: psycopg.Connection[Any], ops: list[rows.Op]) -> None:
         with conn.cursor() as cur:
@@ -860,12 +847,3 @@ def _database_size(conn: psycopg.Connection[Any]) -> int:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]
-
-
-def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)

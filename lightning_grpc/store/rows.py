@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import json
+import queue
+from collections.abc import Callable
 from typing import Any
 
 from lightning_grpc.types import (
@@ -368,3 +372,63 @@ def drop_rows_of(ops: list[Op], rollout_ids: set[str]) -> None:
         elif kind in ("rollouts", "attempts"):
             ops[i] = (kind, [row for row in payload if row["rollout_id"] not in rollout_ids])
     ops[:] = [(kind, payload) for kind, payload in ops if payload]
+
+
+class DeleteOutcome(enum.Enum):
+    """How one delete went when tried ahead of a batch waiting for space (see :func:`commit_deletes_first`)."""
+
+    #: Committed: room may have been made.
+    COMMITTED = "committed"
+    #: Not even room to delete: it waits with the batch.
+    WAITS = "waits"
+    #: The database is out of reach: it waits with the batch, and no further delete is tried now.
+    OUT_OF_REACH = "out_of_reach"
+    #: Refused for good: its submitter was told.
+    REFUSED = "refused"
+
+
+#: One submission to a backend's writer thread: its ops, and the future its submitter awaits.
+Submission = tuple[list[Op], "asyncio.Future[None]"]
+
+
+def commit_deletes_first(
+    submitted: queue.Queue[Submission | None],
+    batch: list[Submission],
+    try_delete: Callable[[Submission, set[str]], DeleteOutcome],
+) -> bool:
+    """While ``batch`` waits for space: take what was submitted since, trying each delete ahead of the batch
+    (``try_delete`` commits it in a transaction of its own and answers its submitter), after dropping from
+    the batch the rows of the rollouts it deletes; every other submission joins the batch. Returns whether a
+    delete was committed (room may have been made). A ``None`` (the writer closing) is left for its loop."""
+    freed = False
+    while True:
+        try:
+            item = submitted.get_nowait()
+        except queue.Empty:
+            return freed
+        if item is None:
+            submitted.put(None)
+            return freed
+        deleted = {rid for kind, payload in item[0] if kind == "delete" for rid in payload}
+        if not deleted:
+            batch.append(item)
+            continue
+        for earlier, _ in batch:
+            drop_rows_of(earlier, deleted)
+        outcome = try_delete(item, deleted)
+        if outcome is DeleteOutcome.COMMITTED:
+            freed = True
+        elif outcome is not DeleteOutcome.REFUSED:
+            batch.append(item)
+            if outcome is DeleteOutcome.OUT_OF_REACH:
+                return freed
+
+
+def resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    """Answer a submitter (called on its event loop): stored, or the error it hears."""
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

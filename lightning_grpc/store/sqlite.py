@@ -307,7 +307,7 @@ class SqliteBackend:
             error = self._commit(conn, batch)
             assert self._loop is not None
             for _, fut in batch:
-                self._loop.call_soon_threadsafe(_resolve, fut, error)
+                self._loop.call_soon_threadsafe(rows.resolve, fut, error)
         conn.close()
 
     def set_max_bytes(self, max_bytes: int | None) -> None:
@@ -355,37 +355,25 @@ class SqliteBackend:
             return None
 
     def _commit_deletes_first(self, conn: sqlite3.Connection, batch: list[Any]) -> bool:
-        """While ``batch`` waits for space: commit the deletes submitted since, ahead of it; every other
-        submission joins the batch. Returns whether a delete was committed (room may have been made)."""
+        """While ``batch`` waits for space: commit the deletes submitted since, ahead of it (rows.commit_deletes_first)."""
         assert self._loop is not None
-        freed = False
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return freed
-            if item is None:  # closing: leave the sentinel for the write loop
-                self._queue.put(None)
-                return freed
+        loop = self._loop
+
+        def try_delete(item: rows.Submission, deleted: set[str]) -> rows.DeleteOutcome:
             ops, fut = item
-            deleted = {rid for kind, payload in ops if kind == "delete" for rid in payload}
-            if not deleted:
-                batch.append(item)
-                continue
-            for earlier, _ in batch:
-                rows.drop_rows_of(earlier, deleted)
             try:
                 with conn:
                     self._apply(conn, ops)
             except BaseException as exc:
-                if not _is_full(exc):
-                    self._loop.call_soon_threadsafe(_resolve, fut, exc)
-                    continue
-                batch.append(item)  # not even room to delete: it waits with the rest
-                continue
-            freed = True
+                if _is_full(exc):
+                    return rows.DeleteOutcome.WAITS
+                loop.call_soon_threadsafe(rows.resolve, fut, exc)
+                return rows.DeleteOutcome.REFUSED
             log.info("event=sqlite_deleted_while_full path=%s rollouts=%d", self.path, len(deleted))
-            self._loop.call_soon_threadsafe(_resolve, fut, None)
+            loop.call_soon_threadsafe(rows.resolve, fut, None)
+            return rows.DeleteOutcome.COMMITTED
+
+        return rows.commit_deletes_first(self._queue, batch, try_delete)
 
     def _apply_page_limit(self, conn: sqlite3.Connection) -> None:
         if self.max_bytes is None:
@@ -494,12 +482,3 @@ class SqliteBackend:
             self._index_conn.close()
             self._index_conn = None
         log.info("event=sqlite_closed path=%s", self.path)
-
-
-def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
