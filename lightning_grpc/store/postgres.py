@@ -679,19 +679,35 @@ class PostgresBackend:
     # ---------------------------------------------------------------- reads
     def _read(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
         """Run ``fn`` on this reader thread's connection, reconnecting once if it was lost."""
+
+        def hold(conn: psycopg.Connection[Any] | None) -> None:
+            self._local.conn = conn
+            if conn is not None:
+                self._reader_conns[:] = [c for c in self._reader_conns if not c.closed] + [conn]
+
+        return self._reconnecting(lambda: getattr(self._local, "conn", None), hold, fn)
+
+    def _reconnecting(
+        self,
+        held: Callable[[], psycopg.Connection[Any] | None],
+        hold: Callable[[psycopg.Connection[Any] | None], None],
+        fn: Callable[[psycopg.Connection[Any]], T],
+    ) -> T:
+        """Run ``fn`` on the connection ``held()`` gives (a new one, kept with ``hold``, when there is none or
+        it was lost), reconnecting once if it is lost meanwhile; UNAVAILABLE when the database stays out of reach."""
         for tries in (1, 2):
-            conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+            conn = held()
             try:
                 if conn is None or conn.closed or conn.broken:
-                    conn = self._local.conn = self._connect()
-                    self._reader_conns[:] = [c for c in self._reader_conns if not c.closed] + [conn]
+                    conn = self._connect()
+                    hold(conn)
                 return fn(conn)
             except Exception as exc:
                 if not _is_connection_error(exc, conn):
                     raise
                 if conn is not None:
                     conn.close()
-                self._local.conn = None
+                hold(None)
                 if tries == 2:
                     raise self._unreachable(exc) from None
         raise AssertionError("unreachable")
@@ -734,26 +750,18 @@ class PostgresBackend:
         return self._size
 
     def load_span_ids(self, rollout_id: str, attempt_no: int) -> dict[str, int]:
+        def span_ids(conn: psycopg.Connection[Any]) -> dict[str, int]:
+            cur = conn.execute(
+                "SELECT span_id, sequence_id FROM spans WHERE rollout_id = %s AND attempt_no = %s",
+                (rollout_id, attempt_no),
+            )
+            return {str(span_id): int(seq) for span_id, seq in cur.fetchall()}
+
         with self._index_lock:
-            for tries in (1, 2):
-                conn = self._index_conn
-                try:
-                    if conn is None or conn.closed or conn.broken:
-                        conn = self._index_conn = self._connect()
-                    cur = conn.execute(
-                        "SELECT span_id, sequence_id FROM spans WHERE rollout_id = %s AND attempt_no = %s",
-                        (rollout_id, attempt_no),
-                    )
-                    return {str(span_id): int(seq) for span_id, seq in cur.fetchall()}
-                except Exception as exc:
-                    if not _is_connection_error(exc, conn):
-                        raise
-                    if conn is not None:
-                        conn.close()
-                    self._index_conn = None
-                    if tries == 2:
-                        raise self._unreachable(exc) from None
-        raise AssertionError("unreachable")
+            return self._reconnecting(lambda: self._index_conn, self._hold_index_conn, span_ids)
+
+    def _hold_index_conn(self, conn: psycopg.Connection[Any] | None) -> None:
+        self._index_conn = conn
 
     async def close(self) -> None:
         if self._writer is not None:
