@@ -384,8 +384,12 @@ class RolloutsSection(SpanStaging):
             match_any,
         )
         after = paging.read_token(page_token, filters)
+        # Where the candidates come from: the ids given, else the rollouts filed under the statuses given
+        # (no scan of the whole store), else every rollout; with match_any, every rollout.
+        by_ids = bool(id_set) and not match_any
+        by_status = bool(status_set) and not match_any and not by_ids
         tests: list[Callable[[Rollout], bool]] = []
-        if status_set:
+        if status_set and not by_status:  # filed under its status, a candidate passes the status test
             tests.append(lambda r: r.status in status_set)
         if id_set:
             tests.append(lambda r: r.rollout_id in id_set)
@@ -395,13 +399,11 @@ class RolloutsSection(SpanStaging):
             tests.append(lambda r: r.mode == mode_filter)
         if group_id:
             tests.append(lambda r: r.group_id == group_id)
-        if id_set and not match_any:  # the ids pick the candidates: no scan of the whole store
-            source: Iterable[RolloutState] = (
-                self._rollouts[i] for i in dict.fromkeys(rollout_ids) if i in self._rollouts
-            )
-        elif status_set and not match_any:  # so do the statuses: only the rollouts filed under them
+        source: Iterable[RolloutState]
+        if by_ids:
+            source = (self._rollouts[i] for i in dict.fromkeys(rollout_ids) if i in self._rollouts)
+        elif by_status:
             source = (rs for status in status_set for rs in self._by_status[status].values())
-            del tests[0]  # the status test: every rollout filed there passes it
         else:
             source = self._rollouts.values()
         combine = any if match_any else all
