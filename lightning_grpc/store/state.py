@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from lightning_grpc.types import Attempt, ResourcesUpdate, Rollout, Worker
 
+from .span_ids import SpanIdIndex
+
 
 @dataclass(slots=True)
 class SpanRecord:
@@ -34,7 +36,7 @@ class AttemptState:
     #: The next sequence id the store hands out for this attempt.
     next_sequence_id: int = 1
     #: span_id -> sequence_id of the stored spans; None until loaded (see Store._span_index).
-    span_ids: dict[str, int] | None = None
+    span_ids: SpanIdIndex | None = None
     #: Sequence ids in use, built only once a client numbers spans itself.
     used_sequence_ids: set[int] | None = None
     span_count: int = 0

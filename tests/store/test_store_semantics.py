@@ -838,3 +838,24 @@ async def test_spans_list_newest_first_and_with_their_total(client: StoreClient)
         await client.list_spans(rid, name="b", page_size=1)
     ).total_size == 4  # a filter: counted by the backend
     assert (await client.list_spans(rid, "latest", descending=True)).items[0].sequence_id == 4
+
+
+async def test_a_long_attempt_answers_a_resent_batch_with_its_numbers(client: StoreClient) -> None:
+    """Past the few thousand spans after which an attempt's span ids move into the store's compact index, a
+    resent batch is still recognised span by span, also when one batch repeats its own spans."""
+    from lightning_grpc.store.span_ids import MOVE_AT
+
+    rid, aid = await claim(client)
+    batches = [make_spans(500) for _ in range(2 * MOVE_AT // 500 + 1)]
+    numbers = []
+    for batch in batches:
+        numbers.append((await client.add_spans(batch, rollout_id=rid, attempt_id=aid)).sequence_ids)
+    again = await client.add_spans(batches[0] + batches[-1] + make_spans(3), rollout_id=rid, attempt_id=aid)
+    assert (again.stored_count, again.duplicate_count) == (3, 1000)
+    assert again.sequence_ids[:1000] == numbers[0] + numbers[-1]
+    twice = make_spans(2)
+    inner = await client.add_spans(twice + twice, rollout_id=rid, attempt_id=aid)
+    assert (inner.stored_count, inner.duplicate_count) == (2, 2)
+    assert inner.sequence_ids[:2] == inner.sequence_ids[2:]
+    total = 500 * len(batches) + 3 + 2
+    assert (await client.statistics()).total_spans == total

@@ -7,6 +7,7 @@ import re
 from lightning_grpc.errors import InvalidArgumentError, Reason, ResourceExhaustedError
 from lightning_grpc.types import AddSpansResult
 
+from ..span_ids import SpanIdIndex
 from ..state import AttemptState, RolloutState, SpanRecord, Txn
 from .limits import MAX_BATCH_SPANS, MAX_SEQUENCE_ID, SPAN_OVERHEAD_BYTES
 from .transitions import Transitions
@@ -21,11 +22,11 @@ Target = tuple[RolloutState, AttemptState]
 class SpanStaging(Transitions):
     """The span-id indexes of attempts, and :meth:`_stage_spans`, used by add_spans and complete_attempt."""
 
-    def _span_index(self, rs: RolloutState, ast: AttemptState) -> dict[str, int]:
+    def _span_index(self, rs: RolloutState, ast: AttemptState) -> SpanIdIndex:
         ids = ast.span_ids
         if ids is None:
-            ids = ast.span_ids = self.backend.load_span_ids(
-                rs.rollout.rollout_id, ast.attempt.sequence_number
+            ids = ast.span_ids = SpanIdIndex(
+                self.backend.load_span_ids(rs.rollout.rollout_id, ast.attempt.sequence_number)
             )
             self._indexed_spans += len(ids)
         return ids
@@ -142,6 +143,22 @@ class SpanStaging(Transitions):
                 mine.add(rec.sequence_id)
                 batch_ids.setdefault(rec.attempt_id, set()).add(rec.span_id)
 
+    def _stored_numbers(
+        self, records: list[SpanRecord], targets: list[Target], attempts: dict[str, Target]
+    ) -> list[int | None] | None:
+        """Each record's sequence id when its span id was stored before this batch, else None, with one lookup
+        per attempt whose ids moved into the index's arrays; None when no attempt's did (then every stored id
+        is found with SpanIdIndex.added)."""
+        if not any(self._span_index(rs, ast).moved for rs, ast in attempts.values()):
+            return None
+        known: list[int | None] = [None] * len(records)
+        for attempt_id, (rs, ast) in attempts.items():
+            at = [i for i, t in enumerate(targets) if t[1].attempt.attempt_id == attempt_id]
+            found = self._span_index(rs, ast).lookup([records[i].span_id for i in at])
+            for i, number in zip(at, found, strict=True):
+                known[i] = number
+        return known
+
     def _number_and_store(
         self, records: list[SpanRecord], targets: list[Target], tx: Txn
     ) -> tuple[AddSpansResult, int]:
@@ -150,10 +167,14 @@ class SpanStaging(Transitions):
         sequence_ids = [0] * len(records)
         stored = duplicates = 0
         stored_bytes = 0
+        attempts = {t[1].attempt.attempt_id: t for t in targets}
+        known = self._stored_numbers(records, targets, attempts)
         for i, rec in enumerate(records):
             rs, ast = targets[i]
             ids = ast.span_ids if ast.span_ids is not None else self._span_index(rs, ast)
-            seq = ids.get(rec.span_id)
+            seq = None if known is None else known[i]
+            if seq is None:
+                seq = ids.added(rec.span_id)  # not moved yet, or earlier in this batch
             if seq is not None:
                 sequence_ids[i] = seq
                 duplicates += 1
@@ -175,6 +196,9 @@ class SpanStaging(Transitions):
             size = len(rec.body) + SPAN_OVERHEAD_BYTES
             rs.bytes += size
             stored_bytes += size
+        for _, ast in attempts.values():
+            if ast.span_ids is not None:
+                ast.span_ids.compact()
         result = AddSpansResult(sequence_ids=sequence_ids, stored_count=stored, duplicate_count=duplicates)
         return result, stored_bytes
 

@@ -15,6 +15,7 @@ from lightning_grpc.types import (
     copy_rollout,
 )
 
+from ..span_ids import SpanIdIndex
 from ..state import AttemptState, Change, RolloutState, Txn
 from .limits import ATTEMPT_OVERHEAD_BYTES, new_id
 from .memory import MemoryBound
@@ -92,7 +93,7 @@ class Transitions(MemoryBound):
             worker_id=worker_id,
             start_time=now,
         )
-        ast = AttemptState(attempt=attempt, request_id=request_id, span_ids={}, index_used_at=now)
+        ast = AttemptState(attempt=attempt, request_id=request_id, span_ids=SpanIdIndex(), index_used_at=now)
         rs.attempts.append(ast)
         self._attempts[attempt.attempt_id] = ast
         r.status = RolloutStatus.PREPARING
