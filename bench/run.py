@@ -632,11 +632,16 @@ def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
 
     ours_systems = ("lightning_grpc_memory", "lightning_grpc_sqlite")
     vs_ceiling = [ratio(w8("lightning_grpc_memory", s), w8("ceiling", s)) for s in ("unary64", "stream64")]
+    w32_stream = ratio(
+        figure(run, "lightning_grpc_memory", "span_ingest/w32/stream64", "spans_per_s"),
+        figure(run, "ceiling", "span_ingest/w32/stream64", "spans_per_s"),
+    )
     return {
         "span_ingest_w8_vs_agl_memory": ratio(best_ours_mem, agl_best),
         "span_ingest_w8_vs_ceiling_memory": min((v for v in vs_ceiling if v is not None), default=None),
         "span_ingest_w8_vs_ceiling_memory_unary64": vs_ceiling[0],
         "span_ingest_w8_vs_ceiling_memory_stream64": vs_ceiling[1],
+        "span_ingest_w32_vs_ceiling_memory_stream64": w32_stream,
         "span_ingest_w8_vs_agl_sqlite": ratio(best_ours_sql, agl_best),
         # what synchronous=FULL (the default) keeps of NORMAL's throughput, on SQLite
         "sqlite_full_vs_normal_span_ingest": ratio(
@@ -646,10 +651,8 @@ def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
             figure(run, "lightning_grpc_sqlite", "rollout_cycle/k32", "rollouts_per_s"),
             figure(run, SQLITE_NORMAL, "rollout_cycle/k32", "rollouts_per_s"),
         ),
-        "rollout_cycle_k32_vs_agl_memory": ratio(
-            figure(run, "lightning_grpc_memory", "rollout_cycle/k32", "rollouts_per_s"),
-            figure(run, "agentlightning", "rollout_cycle/k32", "rollouts_per_s"),
-        ),
+        "rollout_cycle_k32_vs_agl_memory": ratio(cycle("lightning_grpc_memory"), cycle("agentlightning")),
+        "rollout_cycle_k32_vs_agl_sqlite": ratio(cycle("lightning_grpc_sqlite"), cycle("agentlightning")),
         # PostgreSQL (fsync and synchronous_commit on) against the peer, and against SQLite's default (FULL)
         "span_ingest_w8_vs_agl_postgres": ratio(best_ours_pg, agl_best),
         "rollout_cycle_k32_vs_agl_postgres": ratio(cycle(POSTGRES), cycle("agentlightning")),
@@ -708,11 +711,11 @@ def versions() -> dict[str, str]:
     return out
 
 
-def write_reports(report: dict[str, Any], out_dir: Path, readme: Path | None) -> None:
+def write_reports(report: dict[str, Any], out_dir: Path, readme: Path | None, name: str = "latest") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     md = markdown(report)
-    (out_dir / "latest.md").write_text(md)
+    (out_dir / f"{name}.md").write_text(md)
     if readme is not None and readme.exists():
         text = readme.read_text()
         start, end = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -732,6 +735,12 @@ def _fmt(v: Any, digits: int = 0) -> str:
     return str(v)
 
 
+def _meets(value: float, target: str) -> bool:
+    """Whether ``value`` meets a goal's target written as "≥ x" or "≤ x"."""
+    bound = float(target[1:].strip())
+    return value >= bound if target.startswith("≥") else value <= bound
+
+
 def markdown(report: dict[str, Any]) -> str:
     runs = report["runs"]
     lines = [
@@ -739,13 +748,29 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['machine']['memory_gib']} GiB), profile `{report['profile']}`, {len(runs)} run(s); "
         "each cell lists every run.",
         "",
-        "| goal | figure | target | met |",
-        "|---|---|---|---|",
     ]
-    for goal in report["goals"]:
-        lines.append(
-            f"| {goal['name']} | {_fmt(goal['value'], 2)} | {goal['target']} | {'yes' if goal['met'] else 'no'} |"
-        )
+    reference = report.get("full_reference")
+    if report["profile"] != "quick":
+        lines += ["| goal | figure | target | met |", "|---|---|---|---|"]
+        for goal in report["goals"]:
+            met = "yes" if goal["met"] else "no"
+            lines.append(f"| {goal['name']} | {_fmt(goal['value'], 2)} | {goal['target']} | {met} |")
+    else:
+        since = f"the last full run, {reference['date']}" if reference else "no full run in this folder"
+        lines += [
+            f"The goals are set on the `{GOALS_PROFILE}` profile. At this profile's smaller sizes Agent Lightning "
+            "is 2-3x faster than at full scale, so ratios against it read lower here; the full profile's figure "
+            f"({since}) is beside this run's, and *met* judges that one.",
+            "",
+            f"| goal | this run (`{report['profile']}`) | full profile | target | met (full profile) |",
+            "|---|---|---|---|---|",
+        ]
+        for goal in report["goals"]:
+            full = (reference or {}).get("values", {}).get(goal["name"]) if reference else None
+            met = "—" if full is None else "yes" if _meets(full, goal["target"]) else "no"
+            lines.append(
+                f"| {goal['name']} | {_fmt(goal['value'], 2)} | {_fmt(full, 2)} | {goal['target']} | {met} |"
+            )
     lines += ["", "| workload | system | figure | runs |", "|---|---|---|---|"]
     systems = list(SYSTEMS)
     keys: list[str] = []
@@ -885,82 +910,114 @@ def headline(key: str, res: dict[str, Any]) -> tuple[str, str]:
     return "", json.dumps(res)[:80]
 
 
-def goals(ratios: dict[str, float | None], latency: float | None, rss: float | None) -> list[dict[str, Any]]:
-    def goal(name: str, value: float | None, target: str, ok: bool) -> dict[str, Any]:
-        return {"name": name, "value": value, "target": target, "met": bool(value is not None and ok)}
+#: The profile the goals are set on: at the quick profile's small sizes Agent Lightning is 2-3x faster than at
+#: full scale, so the quick profile's ratios against it read lower (a quick report shows both).
+GOALS_PROFILE = "full"
+
+
+def goals(
+    ratios: dict[str, float | None],
+    latency: float | None,
+    rss: float | None,
+    proxy: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Each goal: its name, this run's figure, the target, and whether the figure meets it."""
+
+    def at_least(name: str, value: float | None, target: float, digits: int = 0) -> dict[str, Any]:
+        return {
+            "name": name,
+            "value": value,
+            "target": f"≥ {target:.{digits}f}",
+            "met": value is not None and value >= target,
+        }
+
+    def at_most(name: str, value: float | None, target: float, digits: int = 0) -> dict[str, Any]:
+        return {
+            "name": name,
+            "value": value,
+            "target": f"≤ {target:.{digits}f}",
+            "met": value is not None and value <= target,
+        }
 
     r = ratios
+    proxy_ratio = proxy_p99 = None
+    if proxy and "error" not in proxy:
+        proxy_ratio = proxy.get("throughput_ratio")
+        proxy_p99 = proxy.get("added_ms", {}).get("agents_1", {}).get("p99")
+    sync_worst = worst(
+        [r.get("sqlite_full_vs_normal_span_ingest"), r.get("sqlite_full_vs_normal_rollout_cycle")]
+    )
     return [
-        goal(
-            "span ingest W=8, memory ÷ Agent Lightning (OTLP batches)",
-            r["span_ingest_w8_vs_agl_memory"],
-            "≥ 10",
-            (r["span_ingest_w8_vs_agl_memory"] or 0) >= 10,
+        at_least(
+            "span ingest W=8, memory ÷ Agent Lightning (OTLP batches)", r["span_ingest_w8_vs_agl_memory"], 10
         ),
-        goal(
-            "span ingest W=8, memory ÷ gRPC ceiling (same shape, worse shape)",
-            r["span_ingest_w8_vs_ceiling_memory"],
-            "≥ 0.40",
-            (r["span_ingest_w8_vs_ceiling_memory"] or 0) >= 0.40,
+        at_least(
+            "span ingest W=8, SQLite ÷ Agent Lightning (OTLP batches)", r["span_ingest_w8_vs_agl_sqlite"], 10
         ),
-        goal(
-            "span ingest W=8, SQLite ÷ Agent Lightning (OTLP batches)",
-            r["span_ingest_w8_vs_agl_sqlite"],
-            "≥ 5",
-            (r["span_ingest_w8_vs_agl_sqlite"] or 0) >= 5,
+        at_least(
+            "span ingest stream64 W=8, memory ÷ gRPC ceiling",
+            r.get("span_ingest_w8_vs_ceiling_memory_stream64"),
+            0.6,
+            1,
         ),
-        goal(
-            "rollout cycle K=32, memory ÷ Agent Lightning",
-            r["rollout_cycle_k32_vs_agl_memory"],
-            "≥ 10",
-            (r["rollout_cycle_k32_vs_agl_memory"] or 0) >= 10,
+        at_least(
+            "span ingest stream64 W=32, memory ÷ gRPC ceiling",
+            r.get("span_ingest_w32_vs_ceiling_memory_stream64"),
+            0.6,
+            1,
         ),
-        goal(
+        at_least("rollout cycle K=32, memory ÷ Agent Lightning", r["rollout_cycle_k32_vs_agl_memory"], 20),
+        at_least(
+            "rollout cycle K=32, SQLite ÷ Agent Lightning", r.get("rollout_cycle_k32_vs_agl_sqlite"), 10
+        ),
+        at_least(
             "SQLite synchronous=FULL (the default) ÷ NORMAL, span ingest W=8 stream64 and rollout cycle K=32 "
             "(the worse)",
-            worst([r.get("sqlite_full_vs_normal_span_ingest"), r.get("sqlite_full_vs_normal_rollout_cycle")]),
-            "≥ 0.75",
-            (
-                worst(
-                    [r.get("sqlite_full_vs_normal_span_ingest"), r.get("sqlite_full_vs_normal_rollout_cycle")]
-                )
-                or 0
-            )
-            >= 0.75,
+            sync_worst,
+            0.75,
+            2,
         ),
-        goal("completion latency p99 (ms)", latency, "≤ 50", (latency if latency is not None else 1e9) <= 50),
-        goal(
-            "server RSS after 1,000,000 SQLite spans (MiB)",
-            rss,
-            "≤ 500",
-            (rss if rss is not None else 1e9) <= 500,
-        ),
-        goal(
+        at_most("completion latency p99 (ms)", latency, 50),
+        at_most("server RSS after 1,000,000 SQLite spans (MiB)", rss, 200),
+        at_least(
             "trainer_batch_speedup: get_batch ÷ per-row span-query loop (median, worse backend)",
             r["trainer_batch_speedup"],
-            "≥ 20",
-            (r["trainer_batch_speedup"] or 0) >= 20,
+            20,
         ),
-        goal(
+        at_least(
             "trainer loop rollouts/s ÷ direct generation (same model and sampling)",
             r.get("trainer_loop_vs_direct"),
-            "≥ 0.5",
-            (r.get("trainer_loop_vs_direct") or 0) >= 0.5,
+            0.75,
+            2,
         ),
-        goal(
+        at_most(
             "trainer data path (batch request to arrays, sync mode) as a share of a training step",
             r.get("trainer_data_path_share"),
-            "≤ 0.05",
-            (r.get("trainer_data_path_share") if r.get("trainer_data_path_share") is not None else 1e9)
-            <= 0.05,
+            0.05,
+            2,
         ),
-        goal(
+        at_most(
             "trainer_batch_wire_ratio: wire bytes ÷ int32 token payload (2,048-id vocabulary, log-probs)",
             r["trainer_batch_wire_ratio"],
-            "≤ 1.2",
-            (r["trainer_batch_wire_ratio"] if r["trainer_batch_wire_ratio"] is not None else 1e9) <= 1.2,
+            1.2,
+            1,
         ),
+        at_least(
+            "LLM proxy at 32 agents: calls/s through the proxy ÷ direct to the engine", proxy_ratio, 0.8, 1
+        ),
+        at_most("LLM proxy at 1 agent: p99 added by the proxy (ms)", proxy_p99, 3),
     ]
+
+
+def full_reference(results: Path) -> dict[str, Any] | None:
+    """The goals' figures of the last full-profile report in ``results`` (for a quick report to show beside its own)."""
+    try:
+        last = json.loads((results / "latest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if last.get("profile") != GOALS_PROFILE:
+        return None
+    return {"date": last.get("date", "?"), "values": {g["name"]: g["value"] for g in last.get("goals", [])}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1038,10 +1095,15 @@ def main(argv: list[str] | None = None) -> int:
     if loop and "error" not in loop:
         ratios["trainer_loop_vs_direct"] = loop["rollouts_per_second_ratio"]
         ratios["trainer_data_path_share"] = loop["data_path_share"]
-    report["goals"] = goals(ratios, latency, rss)
-    write_reports(report, args.out, None if (args.no_readme or args.smoke) else ROOT / "bench" / "README.md")
-    log(f"wrote {args.out / 'latest.json'} and latest.md")
-    print((args.out / "latest.md").read_text())
+    report["goals"] = goals(ratios, latency, rss, proxy)
+    if profile == "quick":
+        report["full_reference"] = full_reference(args.out)
+    # a quick run writes quick.{json,md}: the full profile's latest.{json,md}, which the goals refer to, stay
+    name = "quick" if profile == "quick" else "latest"
+    readme = None if (args.no_readme or profile != GOALS_PROFILE) else ROOT / "bench" / "README.md"
+    write_reports(report, args.out, readme, name)
+    log(f"wrote {args.out / (name + '.json')} and {name}.md")
+    print((args.out / f"{name}.md").read_text())
     return 0
 
 
