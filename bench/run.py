@@ -500,7 +500,8 @@ def trainer_loop_markdown(res: dict[str, Any] | None) -> list[str]:
         "",
         "## Training loop (the demo's, through the whole system) against direct generation",
         "",
-        f"{res['steps']} steps of 128 rollouts each, same model, sampling and learner; medians over steps 2 on. "
+        f"{res['steps']} steps of {ours.get('rollouts_per_step', '?')} rollouts each (one generation round a step), "
+        "same model, sampling and learner; medians over steps 2 on. "
         "Generation s is the wait for the batch (in async mode the groups were generated during the update).",
         "",
         "| loop | rollouts/s | step s | generation s | update s | data path s |",

@@ -10,7 +10,7 @@ the learner, in the demo's mode (async: the next groups are generated during the
 second figure, in the other mode. The peer: ``bench.direct``, the same episodes generated in-process with the
 same model and sampling rules and trained by the same learner. Both start from the same freshly built tiny
 model and run the same number of steps of ``batch_size`` groups x ``group_size`` rollouts, without
-validation. Reported: rollouts per second of each loop (the peer's over generation and update only), their
+validation, and with one round of generation a step (ours with dynamic sampling off, as the peer has none). Reported: rollouts per second of each loop (the peer's over generation and update only), their
 ratio, and the data path (the batch request to padded arrays in the trainer, once every group has ended)
 as a share of a training step.
 """
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a file: bench.direct is imported from the checkout
+    sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "examples" / "combination_lock" / "config.toml"
 
 
@@ -46,6 +48,9 @@ def ours(
             "model.init": False,
             "validation.every": 0,
             "checkpoint.every": 0,
+            # one round of generation a step, as the peer does: dynamic sampling's extra rounds (when every
+            # sample of a group scored alike) would be counted as time without their rollouts
+            "data.filter_groups": False,
             **({"experiment.mode": mode} if mode else {}),
         },
     )
