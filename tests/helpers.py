@@ -14,6 +14,8 @@ from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
 from lightning_grpc.types import Span
 
 if TYPE_CHECKING:
+    from lightning_grpc.client import StoreClient
+    from lightning_grpc.errors import ResourceExhaustedError
     from lightning_grpc.processes import Background
     from lightning_grpc.proxy import ProxyConfig
 
@@ -32,6 +34,24 @@ def make_span(
         end_time_unix_nano=now + 1000,
         attributes=dict(attributes),
     )
+
+
+async def fill_memory_until_refused(
+    client: StoreClient, rollout_id: str, attempt_id: str, blob: str = "z", batches: int = 60
+) -> ResourceExhaustedError:
+    """Add batches of 20 spans of ~900 bytes to an attempt until a memory-limited store refuses one; the
+    refusal (AssertionError when ``batches`` batches all went in)."""
+    from lightning_grpc.errors import ResourceExhaustedError
+
+    for _ in range(batches):
+        spans = make_spans(20)
+        for span in spans:
+            span.attributes["blob"] = blob * 900
+        try:
+            await client.add_spans(spans, rollout_id=rollout_id, attempt_id=attempt_id)
+        except ResourceExhaustedError as exc:
+            return exc
+    raise AssertionError(f"{batches} batches of 20 spans were all taken: the store never filled up")
 
 
 def make_spans(n: int, name: str = "step", trace_id: str | None = None) -> list[Span]:

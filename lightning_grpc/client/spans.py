@@ -259,6 +259,8 @@ class _Outbox:
             self.ready.set()
 
     def close(self) -> None:
+        if self.closed:
+            return
         self.closed = True
         self.ready.set()
         self.window.release()  # a reader waiting for room wakes, and stops

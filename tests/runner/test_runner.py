@@ -673,9 +673,8 @@ async def test_an_attempt_whose_spans_the_store_cannot_take_fails_rather_than_su
     passed, the attempt is reported failed, saying why, and not succeeded without its reward span."""
     from opentelemetry import trace
 
-    from lightning_grpc.errors import ResourceExhaustedError
     from lightning_grpc.server.app import ServerConfig, start_server
-    from tests.helpers import make_spans
+    from tests.helpers import fill_memory_until_refused
 
     running = await start_server(ServerConfig(port=0, max_memory_bytes=200_000))
     target = f"127.0.0.1:{running.port}"
@@ -691,14 +690,7 @@ async def test_an_attempt_whose_spans_the_store_cannot_take_fails_rather_than_su
             queued = await client.enqueue_rollout({"i": 0})
             filler = await client.start_rollout({"filler": True})
             assert filler.latest_attempt is not None
-            with pytest.raises(ResourceExhaustedError):
-                for _ in range(60):
-                    spans = make_spans(20)
-                    for span in spans:
-                        span.attributes["blob"] = "z" * 900
-                    await client.add_spans(
-                        spans, rollout_id=filler.rollout_id, attempt_id=filler.latest_attempt.attempt_id
-                    )
+            await fill_memory_until_refused(client, filler.rollout_id, filler.latest_attempt.attempt_id)
             ended: list[Rollout] = []
 
             class Ends(Hook):

@@ -28,7 +28,7 @@ from lightning_grpc.types import (
 )
 from lightning_grpc.v1 import store_service_pb2 as pb
 from tests.conftest import every_store_backend  # noqa: F401  (runs on PostgreSQL too)
-from tests.helpers import make_spans
+from tests.helpers import fill_memory_until_refused, make_spans
 
 
 async def test_enqueue_keeps_every_field_and_resolves_the_latest_resources(client: StoreClient) -> None:
@@ -240,17 +240,10 @@ async def test_memory_bound_evicts_the_oldest_finished_rollouts_and_never_runnin
             assert await client.get_rollout_by_id(finished[-1]) is not None
             assert await client.get_rollout_by_id(active.rollout_id) is not None
             # a store full of unfinished work refuses new spans instead of dropping running rollouts
-            from lightning_grpc.errors import ResourceExhaustedError
-
-            with pytest.raises(ResourceExhaustedError) as err:
-                for _ in range(50):
-                    spans = make_spans(20)
-                    for s in spans:
-                        s.attributes["blob"] = "y" * 900
-                    await client.add_spans(
-                        spans, rollout_id=active.rollout_id, attempt_id=active.latest_attempt.attempt_id
-                    )
-            assert err.value.reason == "STORE_MEMORY_FULL"
+            refused = await fill_memory_until_refused(
+                client, active.rollout_id, active.latest_attempt.attempt_id, blob="y", batches=50
+            )
+            assert refused.reason == "STORE_MEMORY_FULL"
             assert (await client.get_rollout(active.rollout_id)).status == RolloutStatus.RUNNING
     finally:
         await running.stop()
