@@ -176,9 +176,11 @@ class TrainerCore:
         """Turn each trainer rollout into triplets and rows as it ends, so that batches are quick to cut."""
         terminal = [int(s) for s in RolloutStatus if s.is_terminal]
         try:
-            async for event in self.store.watch_rollouts(statuses=terminal, progress_interval=60):
+            async for event in self.store.watch_rollouts(
+                statuses=terminal, progress_interval=60, where=_unbatched_trainer_rollout
+            ):
                 r = event.rollout
-                if r is None or GROUP_SIZE_KEY not in r.metadata or BATCH_KEY in r.metadata:
+                if r is None:
                     continue
                 try:
                     triplets = await self.prepared.triplets(r, self.adapter_config)
@@ -440,6 +442,11 @@ class TrainerCore:
         return RolloutInspection(
             snapshot, triplets, rows_from_triplets(triplets.triplets, options.aggregation.name.lower())
         )
+
+
+def _unbatched_trainer_rollout(r: Rollout) -> bool:
+    """Whether ``r`` is a trainer rollout (of a submitted group) not yet cut into a batch."""
+    return GROUP_SIZE_KEY in r.metadata and BATCH_KEY not in r.metadata
 
 
 def _check_submission(samples: Sequence[GroupSample], group_size: int, step: int) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor
 
 from lightning_grpc.v1 import span_pb2
 from lightning_grpc.v1 import store_service_pb2 as store_pb
@@ -123,12 +123,17 @@ def bytes_views(package: str, *messages: Descriptor, field: str = "spans") -> di
     The wire format of an embedded message and of bytes is the same, so a view parses the very bytes
     of the original message, leaving each embedded message serialized. The views live in a private
     descriptor pool (``package``), outside the ``lightning.v1`` contract; each is named after its
-    message with ``Raw`` appended. Other fields must be scalars.
+    message with ``Raw`` appended. Their other fields are read as the contract declares them: a message
+    field is parsed into a copy of its message held in the same private pool.
     """
     file = descriptor_pb2.FileDescriptorProto(
         name=f"{package.replace('.', '/')}.proto", package=package, syntax="proto3"
     )
+    pool = descriptor_pool.DescriptorPool()
     for message in messages:
+        _add_with_dependencies(pool, message.file)
+        if message.file.name not in file.dependency:
+            file.dependency.append(message.file.name)
         view = file.message_type.add()
         message.CopyToProto(view)
         view.name = f"{message.name}Raw"
@@ -136,11 +141,22 @@ def bytes_views(package: str, *messages: Descriptor, field: str = "spans") -> di
             if f.name == field:
                 f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
                 f.ClearField("type_name")
-            elif f.type_name:
-                raise ValueError(f"{message.full_name}.{f.name} is not a scalar; a bytes view cannot copy it")
-    pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     return {
         f"{m.name}Raw": message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{m.name}Raw"))
         for m in messages
     }
+
+
+def _add_with_dependencies(pool: descriptor_pool.DescriptorPool, file: FileDescriptor) -> None:
+    """Add ``file`` to ``pool`` after the files it imports, each once."""
+    try:
+        pool.FindFileByName(file.name)
+        return
+    except KeyError:
+        pass
+    for dependency in file.dependencies:
+        _add_with_dependencies(pool, dependency)
+    proto = descriptor_pb2.FileDescriptorProto()
+    file.CopyToProto(proto)
+    pool.Add(proto)

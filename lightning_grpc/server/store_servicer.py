@@ -219,20 +219,15 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
         return resp
 
     @unary
-    async def CompleteAttempt(
-        self, request: pb.CompleteAttemptRequest, context: Ctx
-    ) -> pb.CompleteAttemptResponse:
+    async def CompleteAttempt(self, request: Any, context: Ctx) -> pb.CompleteAttemptResponse:
+        """``request`` is a wire.CompleteAttemptRequestRaw: its spans stay serialized."""
         outcome = (
             request.rollout_id,
             request.attempt_id,
             request.status,
             request.message,
             convert.struct_to_dict(request.metadata) if request.HasField("metadata") else None,
-            _span_records(
-                [s.SerializeToString() for s in request.spans], request.rollout_id, request.attempt_id
-            )
-            if request.spans
-            else None,
+            _span_records(request.spans, request.rollout_id, request.attempt_id) if request.spans else None,
         )
         resp = pb.CompleteAttemptResponse()
         if request.HasField("dequeue_next"):
@@ -453,7 +448,11 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
 
 
 #: Methods whose requests are read through the wire views, and whose answers are already bytes.
-RAW_REQUESTS = {"AddSpans": wire.AddSpansRequestRaw, "AddSpansStream": wire.AddSpansStreamRequestRaw}
+RAW_REQUESTS = {
+    "AddSpans": wire.AddSpansRequestRaw,
+    "AddSpansStream": wire.AddSpansStreamRequestRaw,
+    "CompleteAttempt": wire.CompleteAttemptRequestRaw,
+}
 RAW_RESPONSES = {"ListSpans", "TailSpans"}
 
 

@@ -1,8 +1,8 @@
 """Wire-level views of the span messages, for the hot paths of the Store.
 
-A span batch arrives as ``AddSpansRequest``; these messages read the same bytes with
-``repeated Span spans`` as ``repeated bytes`` (the wire format of an embedded message and of bytes
-is the same), so each span's bytes can be stored exactly as the client sent them, without being
+A span batch arrives as ``AddSpansRequest`` (or with an attempt's outcome, ``CompleteAttemptRequest``);
+these messages read the same bytes with ``repeated Span spans`` as ``repeated bytes`` (the wire format of
+an embedded message and of bytes is the same), so each span's bytes can be stored exactly as the client sent them, without being
 serialized again. They are copies of the contract's messages (see
 :func:`lightning_grpc.convert.framing.bytes_views`) in a private descriptor pool. Reads are answered
 the same way: stored bytes with the store's ids appended, framed by :mod:`lightning_grpc.convert.framing`.
@@ -16,9 +16,19 @@ from lightning_grpc.convert.framing import bytes_views, spans_message, stored_sp
 from lightning_grpc.v1 import store_service_pb2 as pb
 
 _VIEWS = bytes_views(
-    "lightning_grpc.wire", pb.AddSpansRequest.DESCRIPTOR, pb.AddSpansStreamRequest.DESCRIPTOR
+    "lightning_grpc.wire",
+    pb.AddSpansRequest.DESCRIPTOR,
+    pb.AddSpansStreamRequest.DESCRIPTOR,
+    pb.CompleteAttemptRequest.DESCRIPTOR,
 )
 AddSpansRequestRaw: Any = _VIEWS["AddSpansRequestRaw"]
 AddSpansStreamRequestRaw: Any = _VIEWS["AddSpansStreamRequestRaw"]
+CompleteAttemptRequestRaw: Any = _VIEWS["CompleteAttemptRequestRaw"]
 
-__all__ = ["AddSpansRequestRaw", "AddSpansStreamRequestRaw", "spans_message", "stored_span"]
+__all__ = [
+    "AddSpansRequestRaw",
+    "AddSpansStreamRequestRaw",
+    "CompleteAttemptRequestRaw",
+    "spans_message",
+    "stored_span",
+]

@@ -154,3 +154,26 @@ def test_the_bytes_views_read_the_contracts_messages_with_spans_as_bytes() -> No
     assert (
         wire.AddSpansStreamRequestRaw.FromString(framing.stream_request(3, "r", "a", bodies)).spans == bodies
     )
+
+
+def test_the_complete_attempt_view_keeps_spans_as_bytes_and_reads_its_other_messages() -> None:
+    spans = [span(i) for i in range(2)]
+    request = pb.CompleteAttemptRequest(rollout_id="ro-1", attempt_id="at-1", status=3, spans=spans)
+    request.metadata.update({"score": 0.5, "tags": ["a"]})
+    request.dequeue_next.worker_id = "w-1"
+    request.dequeue_next.wait_timeout.FromMilliseconds(250)
+    original = request.SerializeToString(deterministic=True)
+    parsed = wire.CompleteAttemptRequestRaw.FromString(original)
+    assert list(parsed.spans) == [s.SerializeToString(deterministic=True) for s in spans]
+    assert parsed.HasField("metadata") and parsed.HasField("dequeue_next")
+    assert convert.struct_to_dict(parsed.metadata) == {"score": 0.5, "tags": ["a"]}
+    assert parsed.dequeue_next.worker_id == "w-1"
+    assert (parsed.dequeue_next.wait_timeout.seconds, parsed.dequeue_next.wait_timeout.nanos) == (
+        0,
+        250_000_000,
+    )
+    assert parsed.SerializeToString(deterministic=True) == original
+    bare = wire.CompleteAttemptRequestRaw.FromString(
+        pb.CompleteAttemptRequest(rollout_id="ro-1", attempt_id="at-1", status=3).SerializeToString()
+    )
+    assert not bare.HasField("metadata") and not bare.HasField("dequeue_next") and not bare.spans

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
+import os
 
 MAX_BATCH_ROLLOUTS = 10_000
 MAX_BATCH_SPANS = 100_000
@@ -23,4 +23,5 @@ LATEST = "latest"
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+    """``prefix`` and 12 random hex digits (48 bits from the system's random source)."""
+    return f"{prefix}-{os.urandom(6).hex()}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from lightning_grpc.errors import InvalidArgumentError, OutOfRangeError, Reason
 from lightning_grpc.types import Rollout, WatchEvent, copy_rollout
@@ -103,8 +103,14 @@ class WaitingSection(SpanStaging):
         rollout_ids: Iterable[str] = (),
         statuses: Iterable[int] = (),
         progress_interval: float | None = None,
+        *,
+        where: Callable[[Rollout], bool] | None = None,
     ) -> AsyncIterator[WatchEvent]:
-        """Rollout changes after ``resume_token`` (or from now), with progress messages while idle."""
+        """Rollout changes after ``resume_token`` (or from now), with progress messages while idle.
+
+        ``where`` keeps only the changes whose rollout it accepts. It reads the change log's snapshot, before
+        the copy each event carries, and must not change it: a watcher in this process that wants a few
+        rollouts skips the others without a copy each."""
         interval = check_wait(progress_interval, "progress_interval") or DEFAULT_PROGRESS_INTERVAL
         if interval < MIN_PROGRESS_INTERVAL:
             raise InvalidArgumentError(
@@ -126,7 +132,11 @@ class WaitingSection(SpanStaging):
                 change = self._changes[cursor + 1 - self._retained_after(cursor)]
                 cursor = change.revision
                 r = change.rollout
-                if (not ids or r.rollout_id in ids) and (not status_set or r.status in status_set):
+                if (
+                    (not ids or r.rollout_id in ids)
+                    and (not status_set or r.status in status_set)
+                    and (where is None or where(r))
+                ):
                     sent = True
                     yield WatchEvent(copy_rollout(r), self._token(cursor), cursor)
             self.check_not_draining()
