@@ -114,7 +114,9 @@ def freeze_startup_heap() -> None:
     A server that keeps many container objects (the in-memory store's spans) runs full collections now and
     then while it grows, and each one visits every tracked object, the tens of thousands its imports left
     included: span ingest at 128 streams spent about 7% more CPU once the dashboard's imports were added.
-    For processes that serve until they exit (``serve``, ``proxy``), called once they serve; not in tests.
+    For processes that serve until they exit (``serve``, ``proxy``, ``engine``, the ``runner`` processes),
+    called once they serve; not in tests. In the engine and the runners the collector had taken 8-11% of
+    the process's CPU time during a training run (py-spy, the demo's loop).
 
     It also collects less often (:data:`SERVER_GC_THRESHOLDS`): a call makes a few hundred short-lived
     containers, most of them freed as soon as the call ends, and at Python's default the collector ran every

@@ -63,6 +63,7 @@ from lightning_grpc.engine.errors import EngineError, bad_request
 from lightning_grpc.engine.guided import GrammarError, Grammars
 from lightning_grpc.engine.scheduler import Scheduler, SequenceUpdate, StepEvent, Submission, TokenLogprob
 from lightning_grpc.engine.text import TokenTexts
+from lightning_grpc.processes import freeze_startup_heap
 
 log = logs.get_logger(__name__)
 
@@ -959,6 +960,7 @@ async def serve_forever(config: EngineConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     server = await EngineServer(config).start()
+    freeze_startup_heap()  # the model's modules and tensors included
     try:
         await stop.wait()
     finally:

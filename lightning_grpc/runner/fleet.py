@@ -18,7 +18,7 @@ from lightning_grpc import environment, logs
 from lightning_grpc._extras import import_extra
 from lightning_grpc.access import Credentials, credential_claims
 from lightning_grpc.errors import LightningError
-from lightning_grpc.processes import start_ray
+from lightning_grpc.processes import freeze_startup_heap, start_ray
 
 from .agent import LitAgent, rollout
 from .runner import Runner, default_worker_id, run_forever
@@ -96,6 +96,7 @@ def _process_main(spec: RunnerSpec) -> None:
     signal.signal(signal.SIGINT, lambda _s, _f: stopped.set())
     logs.configure_logging(os.environ.get(environment.LOG_LEVEL, "INFO"))
     runner = spec.build()
+    freeze_startup_heap()
     if not stopped.is_set():
         try:
             run_forever(runner, stopped)
@@ -107,7 +108,9 @@ def _process_main(spec: RunnerSpec) -> None:
 def run_processes(spec: RunnerSpec, processes: int) -> int:
     """Run ``processes`` runner processes until SIGTERM/SIGINT; returns 0 when all exited cleanly."""
     if processes == 1:
-        run_forever(spec.for_runner(0).build())
+        runner = spec.for_runner(0).build()
+        freeze_startup_heap()
+        run_forever(runner)
         return 0
     ctx = multiprocessing.get_context("spawn")  # gRPC is not fork-safe: children start fresh
     children = [
