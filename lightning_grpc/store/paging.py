@@ -56,7 +56,7 @@ def keyset_page_of(
     """:func:`keyset_page` of ``rows`` in any order: only the page is sorted (the smallest keys after the
     cursor, or the largest when ``descending``), not every row."""
     if after is not None:
-        rows = keyset_page(rows, key, len(rows), after, descending)[0]  # the rows past the cursor
+        rows = rows_after(rows, key, after, descending)
     pick = heapq.nlargest if descending else heapq.nsmallest
     top = pick(size + 1, rows, key=key)
     page = top[:size]
@@ -72,12 +72,20 @@ def keyset_page(
     never make the next page skip or repeat others. Returns the page and the next cursor (None at the end).
     """
     if after is not None:
-        if not isinstance(after, list):
-            raise InvalidArgumentError("page_token", "is not a page token this store issued")
-        position = tuple(after)
-        try:
-            rows = [r for r in rows if (key(r) < position if descending else key(r) > position)]
-        except TypeError:
-            raise InvalidArgumentError("page_token", "is not a page token this store issued") from None
+        rows = rows_after(rows, key, after, descending)
     page = rows[:size]
     return page, (list(key(page[-1])) if len(rows) > size else None)
+
+
+def rows_after(
+    rows: list[T], key: Callable[[T], tuple[Any, ...]], after: Any, descending: bool = False
+) -> list[T]:
+    """The rows past the cursor ``after`` (the key of the last row served), in their order;
+    INVALID_ARGUMENT naming ``page_token`` when ``after`` is no cursor of these rows' keys."""
+    if not isinstance(after, list):
+        raise InvalidArgumentError("page_token", "is not a page token this store issued")
+    position = tuple(after)
+    try:
+        return [r for r in rows if (key(r) < position if descending else key(r) > position)]
+    except TypeError:
+        raise InvalidArgumentError("page_token", "is not a page token this store issued") from None
