@@ -54,6 +54,11 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+class SpansNotAcknowledged(UnavailableError):
+    """An attempt whose agent finished but whose spans the store did not acknowledge in time: the runner
+    reports it failed (the agent did not fail), and logs ``event=spans_not_acknowledged``."""
+
+
 @dataclass
 class RolloutOutcome:
     rollout: Rollout
@@ -317,7 +322,7 @@ class Runner:
                     "event=spans_not_flushed rollout_id=%s attempt_id=%s", r.rollout_id, attempt.attempt_id
                 )
                 if error is None and not ctx.stop.is_set():
-                    error = UnavailableError(
+                    error = SpansNotAcknowledged(
                         f"the store did not acknowledge this attempt's spans within {self.spans_timeout:g} s "
                         "(Runner spans_timeout): it is reported failed rather than succeeded without them"
                     )
@@ -386,12 +391,14 @@ class Runner:
                 _, final = await self.client.complete_attempt(r.rollout_id, attempt_id, "succeeded")
             else:
                 message = f"{type(error).__name__}: {error}"[:4000]
+                by_agent = not isinstance(error, SpansNotAcknowledged)
                 log.warning(
-                    "event=agent_failed rollout_id=%s attempt_id=%s error=%s",
+                    "event=%s rollout_id=%s attempt_id=%s error=%s",
+                    "agent_failed" if by_agent else "spans_not_acknowledged",
                     r.rollout_id,
                     attempt_id,
                     message,
-                    exc_info=error,
+                    exc_info=error if by_agent else None,
                 )
                 _, final = await self.client.complete_attempt(
                     r.rollout_id, attempt_id, "failed", message, {semconv.ATTEMPT_ERROR: error_record(error)}

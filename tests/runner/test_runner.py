@@ -668,9 +668,12 @@ def test_a_stop_before_the_runner_starts_is_kept(server_process: Any) -> None:
     assert time.monotonic() - started < 10
 
 
-async def test_an_attempt_whose_spans_the_store_cannot_take_fails_rather_than_succeeds_without_them() -> None:
+async def test_an_attempt_whose_spans_the_store_cannot_take_fails_rather_than_succeeds_without_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A store that keeps refusing an attempt's spans for now (its memory full): once ``spans_timeout`` has
-    passed, the attempt is reported failed, saying why, and not succeeded without its reward span."""
+    passed, the attempt is reported failed, saying why, and not succeeded without its reward span. The log
+    says the spans were not acknowledged, not that the agent failed."""
     from opentelemetry import trace
 
     from lightning_grpc.server.app import ServerConfig, start_server
@@ -698,7 +701,8 @@ async def test_an_attempt_whose_spans_the_store_cannot_take_fails_rather_than_su
                     ended.append(rollout)
 
             runner = Runner(big, target, max_rollouts=1, poll_wait=0.2, spans_timeout=1.0, hooks=[Ends()])
-            assert await runner.run() == 1
+            with caplog.at_level("WARNING", logger="lightning_grpc.runner"):
+                assert await runner.run() == 1
             assert (runner.succeeded, runner.failed) == (0, 1)
             # as the store answered the report (a full in-memory store may evict the finished rollout next)
             [final] = ended
@@ -706,5 +710,8 @@ async def test_an_attempt_whose_spans_the_store_cannot_take_fails_rather_than_su
             assert final.latest_attempt is not None and final.latest_attempt.status == AttemptStatus.FAILED
             message = final.latest_attempt.status_message
             assert "the store did not acknowledge this attempt's spans within 1 s" in message
+            logged = [r.getMessage() for r in caplog.records]
+            assert any(m.startswith("event=spans_not_acknowledged") for m in logged), logged
+            assert not any("event=agent_failed" in m for m in logged), logged
     finally:
         await running.stop()
