@@ -48,7 +48,12 @@ def run_benchmarks(tree: Path, profile: str, out: Path) -> dict[str, Any]:
     if profile != "full":
         command.append(f"--{profile}")
     subprocess.run(command, cwd=tree, env=env, check=True)
-    return dict(json.loads((out / "latest.json").read_text()))
+    # the quick profile writes quick.json since 95845f8 (latest.* is the full profile's); earlier trees wrote
+    # latest.json for every profile
+    report = (
+        out / "quick.json" if profile == "quick" and (out / "quick.json").exists() else out / "latest.json"
+    )
+    return dict(json.loads(report.read_text()))
 
 
 def figures(report: dict[str, Any]) -> dict[str, float]:
