@@ -2,8 +2,8 @@
 
 A span batch arrives as ``AddSpansRequest`` (or with an attempt's outcome, ``CompleteAttemptRequest``);
 these messages read the same bytes with ``repeated Span spans`` as ``repeated bytes`` (the wire format of
-an embedded message and of bytes is the same), so each span's bytes can be stored exactly as the client sent them, without being
-serialized again. They are copies of the contract's messages (see
+an embedded message and of bytes is the same), so each span's bytes can be stored exactly as the client
+sent them, without being serialized again. They are copies of the contract's messages (see
 :func:`lightning_grpc.convert.framing.bytes_views`) in a private descriptor pool. Reads are answered
 the same way: stored bytes with the store's ids appended, framed by :mod:`lightning_grpc.convert.framing`.
 """
