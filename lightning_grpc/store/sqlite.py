@@ -19,6 +19,8 @@ that deleting finished rollouts makes room for what waits.
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import json
 import queue
 import sqlite3
@@ -130,8 +132,29 @@ def _initial_schema(db: sqlite_utils.Database) -> None:
 
 _SPAN_INSERT = (
     "INSERT INTO spans (rollout_id, attempt_id, attempt_no, sequence_id, span_id, trace_id,"
-    " parent_span_id, name, start_ns, end_ns, body) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+    " parent_span_id, name, start_ns, end_ns, body) VALUES "
 )
+_SPAN_COLUMNS = 11
+#: The most spans one INSERT statement writes (fewer where the SQLite library allows fewer parameters a
+#: statement). Python's sqlite3 lets other threads run while SQLite executes each statement and takes the
+#: GIL back after it, so one statement per span made the writer wait for the event loop once per span.
+SPANS_PER_INSERT = 256
+
+
+def _spans_per_insert(conn: sqlite3.Connection) -> int:
+    return max(1, min(SPANS_PER_INSERT, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // _SPAN_COLUMNS))
+
+
+@functools.lru_cache(maxsize=SPANS_PER_INSERT)
+def _span_insert(count: int) -> str:
+    """The INSERT of ``count`` spans in one statement."""
+    return _SPAN_INSERT + ",".join(["(" + ",".join("?" * _SPAN_COLUMNS) + ")"] * count)
+
+
+def _insert_spans(conn: sqlite3.Connection, spans: list[tuple[Any, ...]], per_statement: int) -> None:
+    for start in range(0, len(spans), per_statement):
+        chunk = spans[start : start + per_statement]
+        conn.execute(_span_insert(len(chunk)), list(itertools.chain.from_iterable(chunk)))
 
 
 def _upsert_sql(table: str, columns: list[str]) -> str:
@@ -205,6 +228,7 @@ class SqliteBackend:
         self._index_conn: sqlite3.Connection | None = None
         self._write_conn: sqlite3.Connection | None = None
         self._last_pruned = 0
+        self._spans_per_insert = SPANS_PER_INSERT
 
     # ---------------------------------------------------------------- start-up
     async def open(self) -> LoadedState:
@@ -216,6 +240,7 @@ class SqliteBackend:
         conn.execute(f"PRAGMA synchronous={SYNC_LEVELS[self.synchronous]}")
         migrations.apply(db)
         self._write_conn = conn
+        self._spans_per_insert = _spans_per_insert(conn)
         state = self._load(db)
         self._index_conn = _connect(self.path)
         self._writer = threading.Thread(target=self._write_loop, name="lightning-sqlite-writer", daemon=True)
@@ -388,7 +413,7 @@ class SqliteBackend:
     def _apply(self, conn: sqlite3.Connection, ops: list[tuple[str, Any]]) -> None:
         for kind, payload in ops:
             if kind == "spans":
-                conn.executemany(_SPAN_INSERT, payload)
+                _insert_spans(conn, payload, self._spans_per_insert)
             elif kind in ("rollouts", "attempts", "workers", "resources"):
                 columns = list(payload[0])
                 conn.executemany(_upsert_sql(kind, columns), [tuple(r[c] for c in columns) for r in payload])

@@ -309,6 +309,45 @@ async def test_sqlite_state_survives_a_restart(tmp_path: Path) -> None:
         await second.stop()
 
 
+async def test_a_batch_larger_than_one_insert_statement_is_stored_whole_and_in_order(tmp_path: Path) -> None:
+    from lightning_grpc.store.sqlite import SPANS_PER_INSERT
+
+    db = tmp_path / "store.db"
+    count = SPANS_PER_INSERT * 2 + 37  # two full statements and a shorter one
+    spans = make_spans(count)
+    first = await start_server(ServerConfig(port=0, db=db))
+    async with StoreClient(f"127.0.0.1:{first.port}") as c:
+        r = await c.start_rollout({"big": 1})
+        assert r.latest_attempt
+        stored = await c.add_spans(spans, rollout_id=r.rollout_id, attempt_id=r.latest_attempt.attempt_id)
+        assert stored.sequence_ids == list(range(1, count + 1))
+    await first.stop()
+    second = await start_server(ServerConfig(port=0, db=db))
+    try:
+        async with StoreClient(f"127.0.0.1:{second.port}") as c:
+            read = [s async for batch in c.tail_spans(r.rollout_id) for s in batch]
+            assert [s.span_id for s in read] == [s.span_id for s in spans]
+            assert [s.sequence_id for s in read] == list(range(1, count + 1))
+            assert read[-1].name == spans[-1].name and read[-1].attributes == spans[-1].attributes
+    finally:
+        await second.stop()
+
+
+def test_an_insert_statement_holds_no_more_spans_than_the_sqlite_library_takes_parameters() -> None:
+    import sqlite3
+
+    from lightning_grpc.store.sqlite import SPANS_PER_INSERT, _spans_per_insert
+
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)  # the limit of SQLite before 3.32
+        assert _spans_per_insert(conn) == 90
+        conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32_766)
+        assert _spans_per_insert(conn) == SPANS_PER_INSERT
+    finally:
+        conn.close()
+
+
 async def _first_events(client: StoreClient, n: int):  # type: ignore[no-untyped-def]
     count = 0
     async for ev in client.watch_rollouts(include_progress=True):
