@@ -84,19 +84,51 @@ class AttemptGate:
         while len(self._modes) > self._cache_size:
             self._modes.popitem(last=False)
 
-    async def keepalive(self, rollout_id: str, attempt_id: str, interval: float) -> None:
-        """Heartbeat the attempt every ``interval`` seconds while a long call runs (cancel to stop)."""
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.client.heartbeat_attempt(rollout_id, attempt_id)
-            except LightningError as exc:
-                log.info(
-                    "event=proxy_keepalive_failed rollout_id=%s attempt_id=%s error=%r",
-                    rollout_id,
-                    attempt_id,
-                    exc,
-                )
+    def keep_alive(self, rollout_id: str, attempt_id: str, interval: float) -> KeepAlive:
+        """Heartbeat the attempt every ``interval`` seconds while a call runs (``cancel()`` when it ends).
+
+        Nothing runs for a call that ends within ``interval``: only a timer is set."""
+        return KeepAlive(self.client, rollout_id, attempt_id, interval)
+
+
+class KeepAlive:
+    """Heartbeats of one attempt while a long call runs: a timer, then a heartbeat each time it fires."""
+
+    def __init__(
+        self, client: StoreClient | LocalStoreClient, rollout_id: str, attempt_id: str, interval: float
+    ) -> None:
+        self._client = client
+        self._ids = (rollout_id, attempt_id)
+        self._interval = interval
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(interval, self._fire)
+        self._beat: asyncio.Task[None] | None = None
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._beat = self._loop.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        rollout_id, attempt_id = self._ids
+        try:
+            await self._client.heartbeat_attempt(rollout_id, attempt_id)
+        except LightningError as exc:
+            log.info(
+                "event=proxy_keepalive_failed rollout_id=%s attempt_id=%s error=%r",
+                rollout_id,
+                attempt_id,
+                exc,
+            )
+        self._timer = self._loop.call_later(self._interval, self._fire)
+
+    def cancel(self) -> None:
+        """The call ended: no more heartbeats (one under way is cancelled)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
 
 
 def _why_stopped(attempt_status: object, rollout_status: object, cancelled: bool) -> str:

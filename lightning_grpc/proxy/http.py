@@ -43,7 +43,7 @@ from lightning_grpc.logs import clip
 from lightning_grpc.types import RolloutMode
 
 from . import sse
-from .attempts import Refused
+from .attempts import KeepAlive, Refused
 from .backends import Backend, BackendDialect
 from .capture import Kind
 from .core import ProxyCore
@@ -360,11 +360,11 @@ class Call:
             if keepalive is not None:
                 keepalive.cancel()
 
-    def _keepalive(self) -> asyncio.Task[None] | None:
+    def _keepalive(self) -> KeepAlive | None:
         if not (self.rollout_id and self.attempt_id) or self.proxy.gate is None:
             return None
         interval = self.proxy.config.heartbeat_interval
-        return asyncio.create_task(self.proxy.gate.keepalive(self.rollout_id, self.attempt_id, interval))
+        return self.proxy.gate.keep_alive(self.rollout_id, self.attempt_id, interval)
 
     async def _exchange(self, rec: CallRecord, started: float) -> web.StreamResponse:
         client = self.proxy.client_for(rec.backend)

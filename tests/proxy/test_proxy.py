@@ -571,6 +571,39 @@ async def test_a_long_call_keeps_its_attempt_alive(
         await proxy.stop(1)
 
 
+async def test_a_call_heartbeats_its_attempt_only_once_it_outlasts_the_interval_and_stops_when_it_ends(
+    store: StoreClient,
+) -> None:
+    from lightning_grpc.proxy.attempts import AttemptGate
+
+    async def last_beat(rid: str) -> float | None:
+        attempt = (await store.get_rollout(rid)).latest_attempt
+        assert attempt is not None
+        return attempt.last_heartbeat_time
+
+    gate = AttemptGate(store)
+    rid, aid = await new_attempt(store)
+    start = await last_beat(rid)
+    short = gate.keep_alive(rid, aid, 0.2)  # a call that ends within the interval
+    await asyncio.sleep(0.05)
+    short.cancel()
+    await asyncio.sleep(0.3)
+    assert await last_beat(rid) == start
+
+    long = gate.keep_alive(rid, aid, 0.1)  # a call that runs for several intervals
+    seen = []
+    for _ in range(3):
+        await asyncio.sleep(0.15)
+        seen.append(await last_beat(rid))
+    long.cancel()
+    beats = [b for b in seen if b is not None]
+    assert len(beats) == 3 and (start is None or start < beats[0]) and beats[0] < beats[1] < beats[2]
+    await asyncio.sleep(0.05)  # a heartbeat already on its way lands
+    ended = await last_beat(rid)
+    await asyncio.sleep(0.3)
+    assert await last_beat(rid) == ended
+
+
 async def test_a_traceparent_header_makes_the_call_a_child_span(proxy: LLMProxy, store: StoreClient) -> None:
     rid, aid = await new_attempt(store)
     trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
