@@ -85,8 +85,9 @@ class Capture:
     model: str = ""
     policy_version: int | None = None
     usage: dict[str, Any] | None = None
-    #: The whole body of a non-streamed call, as the backend sent it.
+    #: The whole body of a non-streamed call, as the backend sent it, and its JSON text (when it was UTF-8).
     body: dict[str, Any] | None = None
+    body_json: str | None = None
     chunks: int = 0
     # Pieces of a streamed choice 0, to assemble the recorded response.
     _role: str = "assistant"
@@ -112,8 +113,10 @@ class Capture:
             self.prompt_token_ids = prompt
 
     # ------------------------------------------------------------ whole body
-    def add_body(self, payload: dict[str, Any]) -> None:
+    def add_body(self, payload: dict[str, Any], text: str | None = None) -> None:
+        """The parsed body of a non-streamed answer; ``text``, the JSON it was parsed from, is recorded as is."""
         self.body = payload
+        self.body_json = text
         self._header(payload)
         choice = _choice0(payload)
         if choice is None:

@@ -369,7 +369,9 @@ class Call:
     async def _exchange(self, rec: CallRecord, started: float) -> web.StreamResponse:
         client = self.proxy.client_for(rec.backend)
         try:
-            upstream = await client.open(rec.backend, PATHS[self.kind], rec.request, rec.streamed)
+            upstream = await client.open(
+                rec.backend, PATHS[self.kind], rec.request, rec.streamed, encoded=rec.request_json()
+            )
         except BackendUnreachable as exc:
             status = 504 if exc.timed_out else 502
             rec.http_status = status
@@ -388,7 +390,7 @@ class Call:
         payload = upstream.json()
         assert rec.capture is not None
         if upstream.ok and isinstance(payload, dict):
-            rec.capture.add_body(payload)
+            rec.capture.add_body(payload, upstream.text())
         else:
             rec.error_body = payload if payload is not None else upstream.body.decode("utf-8", "replace")
             message = _error_message(payload, upstream.body[:2000].decode("utf-8", "replace"))

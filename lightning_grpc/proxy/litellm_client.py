@@ -127,7 +127,10 @@ class LiteLLMClient:
         await _litellm.close_litellm_async_clients()
         _litellm.in_memory_llm_clients_cache.flush_cache()
 
-    async def open(self, backend: Backend, path: str, body: dict[str, Any], stream: bool) -> UpstreamCall:
+    async def open(
+        self, backend: Backend, path: str, body: dict[str, Any], stream: bool, *, encoded: str | None = None
+    ) -> UpstreamCall:
+        """Call the backend through LiteLLM, which builds its own request from ``body`` (``encoded`` unused)."""
         litellm = load_litellm()
         chat = path == "chat/completions"
         call = litellm.acompletion if chat else litellm.atext_completion

@@ -60,10 +60,17 @@ class CallRecord:
     #: when that was translated (``request`` is then the chat request the backend got).
     dialect: str = ""
     dialect_request: dict[str, Any] | None = None
+    _request_json: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.capture is None:
             self.capture = Capture(self.kind)
+
+    def request_json(self) -> str:
+        """``request`` as compact JSON, encoded once: the body a backend is sent and the span's attribute."""
+        if self._request_json is None:
+            self._request_json = _json(self.request)
+        return self._request_json
 
     @property
     def recorded(self) -> bool:
@@ -88,7 +95,7 @@ def llm_call_span(rec: CallRecord) -> Span:
         semconv.LLM_MODEL: rec.model_name,
         semconv.LLM_BACKEND: rec.backend.api_base,
         semconv.LLM_POLICY_VERSION: rec.policy_version(),
-        semconv.LLM_REQUEST: _json(rec.request),
+        semconv.LLM_REQUEST: rec.request_json(),
         semconv.LLM_STREAMED: rec.streamed,
         semconv.LLM_LATENCY_MS: float(rec.latency_ms),
         # what the engine sampled with: the request it got (a dialect's translated to chat), defaults filled in
@@ -101,7 +108,9 @@ def llm_call_span(rec: CallRecord) -> Span:
     if response is None and rec.error_body is not None:
         response = rec.error_body
     if response is not None:
-        attrs[semconv.LLM_RESPONSE] = _json(response)
+        attrs[semconv.LLM_RESPONSE] = (
+            cap.body_json if response is cap.body and cap.body_json else _json(response)
+        )
     if cap.prompt_token_ids is not None:
         attrs[semconv.LLM_PROMPT_TOKEN_IDS] = cap.prompt_token_ids
     if cap.response_token_ids is not None:

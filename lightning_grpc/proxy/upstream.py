@@ -73,6 +73,13 @@ class UpstreamCall:
         except ValueError:
             return None
 
+    def text(self) -> str | None:
+        """The body as UTF-8 text (None when it is not)."""
+        try:
+            return self.body.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
     def policy_version(self) -> int | None:
         try:
             return int(self.headers[POLICY_VERSION_HEADER])
@@ -127,12 +134,17 @@ class DirectClient:
         if self._session is not None:
             await self._session.close()
 
-    async def open(self, backend: Backend, path: str, body: dict[str, Any], stream: bool) -> UpstreamCall:
+    async def open(
+        self, backend: Backend, path: str, body: dict[str, Any], stream: bool, *, encoded: str | None = None
+    ) -> UpstreamCall:
+        """POST ``body`` (sent as ``encoded`` when the caller has it as JSON already) to the backend."""
         url = f"{backend.api_base}/{path}"
+        data = (encoded if encoded is not None else json.dumps(body)).encode()
+        headers = {**_auth(backend), "Content-Type": "application/json"}
         attempt = 0
         while True:
             try:
-                resp = await self._client().post(url, json=body, headers=_auth(backend))
+                resp = await self._client().post(url, data=data, headers=headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 if attempt >= self.retry.retries:
                     timed_out = isinstance(exc, TimeoutError)

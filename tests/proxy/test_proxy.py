@@ -530,6 +530,24 @@ async def test_a_request_the_engine_rejects_is_recorded_as_an_error_span(
         assert "min_p" in span.attributes[semconv.LLM_RESPONSE]
 
 
+async def test_the_span_records_the_request_sent_and_the_answer_exactly_as_the_engine_sent_it(
+    proxy: LLMProxy, store: StoreClient
+) -> None:
+    rid, aid = await new_attempt(store)
+    url = proxy.proxy_llm(MODEL).for_attempt(rid, aid).endpoint + "/chat/completions"
+    messages = [{"role": "user", "content": "Grüße, 世界 \U0001f600: what is 2 + 3?"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0}
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        assert resp.status == 200
+        answered = await resp.text()
+    [span] = await llm_spans(store, rid)
+    assert span.attributes[semconv.LLM_RESPONSE] == answered  # the engine's JSON text, not re-encoded
+    request = json.loads(span.attributes[semconv.LLM_REQUEST])
+    assert request["messages"] == messages and request["max_tokens"] == 6
+    prompt = json.loads(answered)["prompt_token_ids"]
+    assert span.attributes[semconv.LLM_PROMPT_TOKEN_IDS] == prompt  # the engine read the same request
+
+
 async def test_an_agent_leaving_mid_stream_is_recorded(proxy: LLMProxy, store: StoreClient) -> None:
     rid, aid = await new_attempt(store)
     url = proxy.proxy_llm(MODEL).for_attempt(rid, aid).endpoint + "/chat/completions"
