@@ -98,7 +98,8 @@ class KeepAlive:
         self, client: StoreClient | LocalStoreClient, rollout_id: str, attempt_id: str, interval: float
     ) -> None:
         self._client = client
-        self._ids = (rollout_id, attempt_id)
+        self._rollout_id = rollout_id
+        self._attempt_id = attempt_id
         self._interval = interval
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = self._loop.call_later(interval, self._fire)
@@ -109,14 +110,13 @@ class KeepAlive:
         self._beat = self._loop.create_task(self._heartbeat())
 
     async def _heartbeat(self) -> None:
-        rollout_id, attempt_id = self._ids
         try:
-            await self._client.heartbeat_attempt(rollout_id, attempt_id)
+            await self._client.heartbeat_attempt(self._rollout_id, self._attempt_id)
         except LightningError as exc:
             log.info(
                 "event=proxy_keepalive_failed rollout_id=%s attempt_id=%s error=%r",
-                rollout_id,
-                attempt_id,
+                self._rollout_id,
+                self._attempt_id,
                 exc,
             )
         self._timer = self._loop.call_later(self._interval, self._fire)

@@ -128,7 +128,7 @@ class LiteLLMClient:
         _litellm.in_memory_llm_clients_cache.flush_cache()
 
     async def open(
-        self, backend: Backend, path: str, body: dict[str, Any], stream: bool, *, encoded: str | None = None
+        self, backend: Backend, path: str, body: dict[str, Any], stream: bool, *, encoded: str
     ) -> UpstreamCall:
         """Call the backend through LiteLLM, which builds its own request from ``body`` (``encoded`` unused)."""
         litellm = load_litellm()

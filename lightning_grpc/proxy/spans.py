@@ -108,9 +108,9 @@ def llm_call_span(rec: CallRecord) -> Span:
     if response is None and rec.error_body is not None:
         response = rec.error_body
     if response is not None:
-        attrs[semconv.LLM_RESPONSE] = (
-            cap.body_json if response is cap.body and cap.body_json else _json(response)
-        )
+        attrs[semconv.LLM_RESPONSE] = cap.body_json or _json(
+            response
+        )  # the body's own text when there is one
     if cap.prompt_token_ids is not None:
         attrs[semconv.LLM_PROMPT_TOKEN_IDS] = cap.prompt_token_ids
     if cap.response_token_ids is not None:

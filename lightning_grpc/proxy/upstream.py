@@ -135,11 +135,11 @@ class DirectClient:
             await self._session.close()
 
     async def open(
-        self, backend: Backend, path: str, body: dict[str, Any], stream: bool, *, encoded: str | None = None
+        self, backend: Backend, path: str, body: dict[str, Any], stream: bool, *, encoded: str
     ) -> UpstreamCall:
-        """POST ``body`` (sent as ``encoded`` when the caller has it as JSON already) to the backend."""
+        """POST ``body``, given as its JSON text ``encoded`` (the caller records that same text), to the backend."""
         url = f"{backend.api_base}/{path}"
-        data = (encoded if encoded is not None else json.dumps(body)).encode()
+        data = encoded.encode()
         headers = {**_auth(backend), "Content-Type": "application/json"}
         attempt = 0
         while True:
