@@ -1,0 +1,164 @@
+"""Writes committed together: what is submitted before an earlier write is durable, and a commit of many
+submissions, leave exactly what applying each in turn would (SQLite, reopened from its file)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+
+from lightning_grpc import convert
+from lightning_grpc.client import StoreClient
+from lightning_grpc.errors import NotFoundError
+from lightning_grpc.server.app import ServerConfig, start_server
+from lightning_grpc.store import SpanRecord, open_store
+from lightning_grpc.types import RolloutSpec, Span
+from lightning_grpc.v1 import store_service_pb2 as pb
+from tests.helpers import make_spans
+
+
+def records(spans: list[Span]) -> list[SpanRecord]:
+    return convert.span_records([convert.span_to_pb(s).SerializeToString() for s in spans])
+
+
+async def test_a_batch_submitted_before_the_last_is_durable_sees_its_spans(tmp_path: Path) -> None:
+    store = await open_store(tmp_path / "s.db")
+    rollout = await store.start_rollout(RolloutSpec(input={"task": 1}), "w")
+    assert rollout.latest_attempt is not None
+    rid, aid = rollout.rollout_id, rollout.latest_attempt.attempt_id
+    spans = make_spans(10)
+    first = store.submit_spans(records(spans), rid, aid)
+    assert first.durable is not None  # SQLite: handed to the writer, not committed yet
+    again = store.submit_spans(records(spans), rid, aid)  # the same span ids, resent
+    assert again.result.duplicate_count == 10 and again.result.stored_count == 0
+    assert again.result.sequence_ids == first.result.sequence_ids == list(range(1, 11))
+    more = store.submit_spans(records(make_spans(5)), rid, aid)
+    assert more.result.sequence_ids == list(range(11, 16))
+    for submitted in (first, again, more):
+        if submitted.durable is not None:
+            await submitted.durable
+    await store.close()
+
+    reopened = await open_store(tmp_path / "s.db")
+    try:
+        stats = await reopened.statistics()
+        assert stats.total_spans == 15
+    finally:
+        await reopened.close()
+
+
+async def test_a_memory_store_has_nothing_to_wait_for() -> None:
+    store = await open_store()
+    rollout = await store.start_rollout(RolloutSpec(input={"task": 1}), "w")
+    assert rollout.latest_attempt is not None
+    submitted = store.submit_spans(
+        records(make_spans(3)), rollout.rollout_id, rollout.latest_attempt.attempt_id
+    )
+    assert submitted.durable is None and submitted.result.stored_count == 3
+    await store.close()
+
+
+async def test_a_span_stream_read_ahead_is_answered_in_order_and_stored_once(tmp_path: Path) -> None:
+    """Batches sent without waiting for their answers (a runner's stream keeps many in flight): each is
+    answered in order, with its own counts, a refused one in its place, a resent one as duplicates, and
+    everything answered is on disk for a new server on the same file."""
+    db = tmp_path / "s.db"
+    running = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    try:
+        async with StoreClient(running.address, retry=None) as client:
+            rollout = await client.start_rollout({"task": 1})
+            assert rollout.latest_attempt is not None
+            rid, aid = rollout.rollout_id, rollout.latest_attempt.attempt_id
+            batches = []
+            for i in range(40):
+                req = pb.AddSpansStreamRequest(batch_id=i + 1, rollout_id=rid, attempt_id=aid)
+                for span in make_spans(8):
+                    convert.span_to_pb(span, req.spans.add())
+                batches.append(req)
+            refused = pb.AddSpansStreamRequest(batch_id=100, rollout_id=rid, attempt_id="at-unknown")
+            refused.spans.append(convert.span_to_pb(make_spans(1)[0]))
+            resent = pb.AddSpansStreamRequest(batch_id=101, rollout_id=rid, attempt_id=aid)
+            resent.spans.extend(batches[0].spans)
+            sent = [*batches[:20], refused, *batches[20:], resent]
+            call = client.stub.AddSpansStream()
+            for req in sent:
+                await call.write(req)  # all of them before reading any answer
+            await call.done_writing()
+            acks = [ack async for ack in call]
+            assert await call.code() == grpc.StatusCode.OK
+        assert [a.batch_id for a in acks] == [r.batch_id for r in sent]
+        assert [a.stored_count for a in acks] == [8] * 20 + [0] + [8] * 20 + [0]
+        assert acks[20].error.reason == "ATTEMPT_NOT_FOUND" and acks[-1].duplicate_count == 8
+    finally:
+        await running.stop()
+
+    again = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    try:
+        async with StoreClient(again.address, retry=None) as client:
+            spans = await client.query_spans(rid)
+            assert [s.sequence_id for s in spans] == list(range(1, 321))
+    finally:
+        await again.stop()
+
+
+async def test_a_burst_of_every_kind_of_write_reloads_as_it_was(tmp_path: Path) -> None:
+    """Many submissions reach the writer together (rows replacing rows, spans, changes, a delete between
+    them) and are committed together: a new store on the file finds exactly what the live one held,
+    whatever order the burst's calls were taken in."""
+    db = tmp_path / "s.db"
+    running = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    try:
+        async with StoreClient(running.address, retry=None) as client:
+            await client.enqueue_rollouts([{"input": {"task": i}} for i in range(12)])
+            claimed = await client.dequeue_rollouts(12, worker_id="w")
+            ids = [(r.rollout_id, r.latest_attempt.attempt_id) for r in claimed if r.latest_attempt]
+            assert len(ids) == 12
+            await asyncio.gather(
+                *(client.add_spans(make_spans(3), rollout_id=rid, attempt_id=aid) for rid, aid in ids)
+            )
+            await asyncio.gather(
+                *(
+                    client.complete_attempt(rid, aid, "succeeded" if i % 3 else "failed")
+                    for i, (rid, aid) in enumerate(ids)
+                )
+            )
+            doomed = [rid for rid, _ in ids[:4]]
+            burst = [client.update_rollout(rid, metadata={"round": n}) for n in (1, 2, 3) for rid, _ in ids]
+            burst.insert(len(burst) // 2, client.delete_rollouts(doomed))
+            burst.append(client.enqueue_rollouts([{"input": {"task": "late"}}]))
+            outcomes = await asyncio.gather(*burst, return_exceptions=True)
+            assert not any(
+                isinstance(o, BaseException) and not isinstance(o, NotFoundError) for o in outcomes
+            )
+            live = await snapshot(client)
+    finally:
+        await running.stop()
+
+    again = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    try:
+        async with StoreClient(again.address, retry=None) as client:
+            assert await snapshot(client) == live
+        assert len(live["rollouts"]) == 9 and live["spans"] == 8 * 3
+    finally:
+        await again.stop()
+
+
+async def snapshot(client: StoreClient) -> dict[str, object]:
+    rollouts = await client.query_rollouts()
+    spans = 0
+    rows = []
+    for r in sorted(rollouts, key=lambda r: r.rollout_id):
+        found = await client.query_spans(r.rollout_id)
+        spans += len(found)
+        attempt = r.latest_attempt
+        rows.append(
+            (
+                r.rollout_id,
+                r.status,
+                dict(r.metadata),
+                attempt and (attempt.attempt_id, attempt.status),
+                [(s.sequence_id, s.span_id) for s in found],
+            )
+        )
+    return {"rollouts": rows, "spans": spans}
