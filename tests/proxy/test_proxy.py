@@ -574,7 +574,7 @@ async def test_a_long_call_keeps_its_attempt_alive(
     proxy = await LLMProxy(_config(store_server, [engine.backend()], heartbeat_interval=0.1)).start()
     try:
         await openai_client(f"{proxy.base_url}/v1").models.list()  # warm the client's lazy imports up
-        silence = 0.4
+        silence = 1.0  # 1,500 tokens take 3-4 s here: a pause of the test process (a full collection) is not silence
         rid, aid = await new_attempt(store, config=RolloutConfig(unresponsive_timeout=silence))
         started = time.monotonic()
         await stream_chat(
