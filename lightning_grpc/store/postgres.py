@@ -151,13 +151,6 @@ LEASE_WAIT = 10.0
 #: Seconds a writer whose connection was replaced keeps trying to take its lease back from its own earlier
 #: session (which the database is still ending) before it counts the lease as lost.
 LEASE_REGAIN = 3.0
-#: Primary key of each table the store upserts.
-_KEYS = {
-    "rollouts": "rollout_id",
-    "attempts": "attempt_id",
-    "workers": "worker_id",
-    "resources": "resources_id",
-}
 _SPAN_INSERT = (
     f"INSERT INTO spans ({', '.join(rows.SPAN_COLUMNS)}) VALUES ({', '.join('%s' for _ in rows.SPAN_COLUMNS)})"
     " ON CONFLICT (rollout_id, attempt_no, sequence_id) DO NOTHING"
@@ -181,7 +174,7 @@ _CONNECT_OPTIONS: dict[str, Any] = {
 
 
 def _upsert_sql(table: str, columns: list[str]) -> str:
-    key = _KEYS[table]
+    key = rows.ROW_KEYS[table]
     updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns if c != key)
     return (
         f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('%s' for _ in columns)})"
@@ -565,8 +558,7 @@ class PostgresBackend:
             try:
                 conn = self._writer_conn()
                 with conn.transaction():
-                    for ops, _ in batch:
-                        self._apply(conn, ops)
+                    self._apply(conn, rows.merged_ops(ops for ops, _ in batch))
             except BaseException as exc:
                 if self.lease_lost:
                     return exc
@@ -637,7 +629,7 @@ class PostgresBackend:
             for kind, payload in ops:
                 if kind == "spans":
                     cur.executemany(_SPAN_INSERT, payload)
-                elif kind in _KEYS:
+                elif kind in rows.ROW_KEYS:
                     columns = list(payload[0])
                     cur.executemany(
                         _upsert_sql(kind, columns), [tuple(r[c] for c in columns) for r in payload]

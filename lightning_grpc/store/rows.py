@@ -6,7 +6,7 @@ import asyncio
 import enum
 import json
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning_grpc.types import (
@@ -362,6 +362,58 @@ def txn_ops(tx: Txn) -> list[Op]:
     if tx.meta:
         ops.append(("meta", list(tx.meta.items())))
     return ops
+
+
+#: The key of each table whose rows are replaced whole (a later row of the same key replaces the earlier).
+ROW_KEYS = {
+    "rollouts": "rollout_id",
+    "attempts": "attempt_id",
+    "workers": "worker_id",
+    "resources": "resources_id",
+}
+
+
+def merged_ops(submissions: Iterable[list[Op]]) -> list[Op]:
+    """The ops of submissions committed in one transaction, as few as leave the same rows.
+
+    A commit of many small submissions (a span batch each: its spans, its attempt's row, the revision) paid
+    for each statement: a round trip to PostgreSQL, and with SQLite a hand-over of the GIL around every row
+    run. Here the rows of one kind are put together, and of the rows that replace one another (a table's
+    key, a meta key) only the last is kept: the rows written are the same as when each submission is
+    applied in turn. Submissions that delete rollouts stay apart, in their place, so that nothing moves
+    across a delete.
+    """
+    merged: list[Op] = []
+    spans: list[Any] = []
+    keyed: dict[str, dict[Any, Any]] = {}
+
+    def flush() -> None:
+        for kind in ("rollouts", "attempts", "workers", "resources"):
+            if keyed.get(kind):
+                merged.append((kind, list(keyed[kind].values())))
+        if spans:
+            merged.append(("spans", spans.copy()))
+        for kind in ("changes", "meta"):
+            if keyed.get(kind):
+                merged.append((kind, list(keyed[kind].values())))
+        spans.clear()
+        keyed.clear()
+
+    for ops in submissions:
+        if any(kind == "delete" for kind, _ in ops):
+            flush()
+            merged.extend(ops)
+            continue
+        for kind, payload in ops:
+            if kind == "spans":
+                spans.extend(payload)
+                continue
+            kept = keyed.setdefault(kind, {})
+            key = ROW_KEYS.get(kind)
+            for row in payload:
+                kept[row[key] if key else row[0]] = row  # changes: (revision, ...); meta: (key, value)
+    flush()
+    return merged
 
 
 def drop_rows_of(ops: list[Op], rollout_ids: set[str]) -> None:

@@ -130,21 +130,7 @@ def _initial_schema(db: sqlite_utils.Database) -> None:
     table("changes").create({"revision": int, "rollout_id": str, "body": str}, pk="revision")
 
 
-#: The spans table's columns, in the order of the rows :func:`rows.txn_ops` makes.
-_SPAN_COLUMNS = (
-    "rollout_id",
-    "attempt_id",
-    "attempt_no",
-    "sequence_id",
-    "span_id",
-    "trace_id",
-    "parent_span_id",
-    "name",
-    "start_ns",
-    "end_ns",
-    "body",
-)
-_SPAN_ROW = "(" + ",".join("?" * len(_SPAN_COLUMNS)) + ")"
+_SPAN_ROW = "(" + ",".join("?" * len(rows.SPAN_COLUMNS)) + ")"
 #: The most spans one INSERT statement writes (fewer where the SQLite library allows fewer parameters a
 #: statement). Python's sqlite3 lets other threads run while SQLite executes each statement and takes the
 #: GIL back after it, so one statement per span made the writer wait for the event loop once per span.
@@ -153,13 +139,13 @@ SPANS_PER_INSERT = 256
 
 def _spans_per_insert(conn: sqlite3.Connection) -> int:
     limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-    return max(1, min(SPANS_PER_INSERT, limit // len(_SPAN_COLUMNS)))
+    return max(1, min(SPANS_PER_INSERT, limit // len(rows.SPAN_COLUMNS)))
 
 
 @functools.lru_cache(maxsize=SPANS_PER_INSERT)
 def _span_insert(count: int) -> str:
     """The INSERT of ``count`` spans in one statement."""
-    return f"INSERT INTO spans ({', '.join(_SPAN_COLUMNS)}) VALUES " + ",".join([_SPAN_ROW] * count)
+    return f"INSERT INTO spans ({', '.join(rows.SPAN_COLUMNS)}) VALUES " + ",".join([_SPAN_ROW] * count)
 
 
 def _insert_spans(conn: sqlite3.Connection, spans: list[tuple[Any, ...]], per_statement: int) -> None:
@@ -364,8 +350,7 @@ class SqliteBackend:
             try:
                 self._apply_page_limit(conn)
                 with conn:
-                    for ops, _ in batch:
-                        self._apply(conn, ops)
+                    self._apply(conn, rows.merged_ops(ops for ops, _ in batch))
             except BaseException as exc:
                 if _is_full(exc) and not self._closing.is_set():
                     if not self.out_of_space:

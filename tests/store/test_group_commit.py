@@ -1,5 +1,6 @@
 """Writes committed together: what is submitted before an earlier write is durable, and a commit of many
-submissions, leave exactly what applying each in turn would (SQLite, reopened from its file)."""
+submissions, leave exactly what applying each in turn would (SQLite and PostgreSQL, read back by a new
+server)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,22 @@ import asyncio
 from pathlib import Path
 
 import grpc
+import pytest
 
 from lightning_grpc import convert
 from lightning_grpc.client import StoreClient
 from lightning_grpc.errors import NotFoundError
 from lightning_grpc.server.app import ServerConfig, start_server
-from lightning_grpc.store import SpanRecord, open_store
+from lightning_grpc.store import SpanRecord, open_store, rows
 from lightning_grpc.types import RolloutSpec, Span
 from lightning_grpc.v1 import store_service_pb2 as pb
 from tests.helpers import make_spans
+
+
+@pytest.fixture(params=["sqlite", "postgres"], name="backend")
+def durable_backend(request: pytest.FixtureRequest) -> str:
+    """The backends with a writer that commits many submissions together."""
+    return str(request.param)
 
 
 def records(spans: list[Span]) -> list[SpanRecord]:
@@ -59,12 +67,13 @@ async def test_a_memory_store_has_nothing_to_wait_for() -> None:
     await store.close()
 
 
-async def test_a_span_stream_read_ahead_is_answered_in_order_and_stored_once(tmp_path: Path) -> None:
+async def test_a_span_stream_read_ahead_is_answered_in_order_and_stored_once(
+    server_config: ServerConfig,
+) -> None:
     """Batches sent without waiting for their answers (a runner's stream keeps many in flight): each is
     answered in order, with its own counts, a refused one in its place, a resent one as duplicates, and
     everything answered is on disk for a new server on the same file."""
-    db = tmp_path / "s.db"
-    running = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    running = await start_server(server_config)
     try:
         async with StoreClient(running.address, retry=None) as client:
             rollout = await client.start_rollout({"task": 1})
@@ -93,7 +102,7 @@ async def test_a_span_stream_read_ahead_is_answered_in_order_and_stored_once(tmp
     finally:
         await running.stop()
 
-    again = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    again = await start_server(server_config)
     try:
         async with StoreClient(again.address, retry=None) as client:
             spans = await client.query_spans(rid)
@@ -102,12 +111,11 @@ async def test_a_span_stream_read_ahead_is_answered_in_order_and_stored_once(tmp
         await again.stop()
 
 
-async def test_a_burst_of_every_kind_of_write_reloads_as_it_was(tmp_path: Path) -> None:
+async def test_a_burst_of_every_kind_of_write_reloads_as_it_was(server_config: ServerConfig) -> None:
     """Many submissions reach the writer together (rows replacing rows, spans, changes, a delete between
     them) and are committed together: a new store on the file finds exactly what the live one held,
     whatever order the burst's calls were taken in."""
-    db = tmp_path / "s.db"
-    running = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    running = await start_server(server_config)
     try:
         async with StoreClient(running.address, retry=None) as client:
             await client.enqueue_rollouts([{"input": {"task": i}} for i in range(12)])
@@ -135,7 +143,7 @@ async def test_a_burst_of_every_kind_of_write_reloads_as_it_was(tmp_path: Path) 
     finally:
         await running.stop()
 
-    again = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    again = await start_server(server_config)
     try:
         async with StoreClient(again.address, retry=None) as client:
             assert await snapshot(client) == live
@@ -162,3 +170,30 @@ async def snapshot(client: StoreClient) -> dict[str, object]:
             )
         )
     return {"rollouts": rows, "spans": spans}
+
+
+def test_merged_ops_keep_the_last_row_of_each_key_and_nothing_crosses_a_delete() -> None:
+    def attempt(count: int) -> dict[str, object]:
+        return {"attempt_id": "at-1", "rollout_id": "ro-1", "span_count": count}
+
+    def span(rollout: str, n: int) -> tuple[object, ...]:
+        return (rollout, "at-1", 1, n, f"{n:016x}", "0" * 32, "", "step", n, n, b"")
+
+    submissions = [
+        [("attempts", [attempt(1)]), ("spans", [span("ro-1", 1)]), ("meta", [("revision", "1")])],
+        [("attempts", [attempt(2)]), ("spans", [span("ro-1", 2)]), ("meta", [("revision", "2")])],
+        [("delete", ["ro-1"])],
+        [("rollouts", [{"rollout_id": "ro-2", "status": 1}]), ("changes", [(3, "ro-2", "{}")])],
+        [("rollouts", [{"rollout_id": "ro-2", "status": 2}]), ("changes", [(4, "ro-2", "{}")])],
+        [("spans", [span("ro-2", 1)]), ("meta", [("revision", "3")]), ("meta", [("revision", "4")])],
+    ]
+    assert rows.merged_ops(submissions) == [
+        ("attempts", [attempt(2)]),
+        ("spans", [span("ro-1", 1), span("ro-1", 2)]),
+        ("meta", [("revision", "2")]),
+        ("delete", ["ro-1"]),
+        ("rollouts", [{"rollout_id": "ro-2", "status": 2}]),
+        ("spans", [span("ro-2", 1)]),
+        ("changes", [(3, "ro-2", "{}"), (4, "ro-2", "{}")]),
+        ("meta", [("revision", "4")]),
+    ]
