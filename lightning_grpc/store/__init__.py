@@ -8,15 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .backend import Backend, MemoryBackend
-from .core import (
-    AddSpansResult,
-    DequeueRequest,
-    HeartbeatResult,
-    SpanSelection,
-    Store,
-    SubmittedSpans,
-    WatchEvent,
-)
+from .core import AddSpansResult, DequeueRequest, HeartbeatResult, SpanSelection, Store, WatchEvent
 from .sqlite import SqliteBackend
 from .state import SpanRecord
 
@@ -30,7 +22,6 @@ __all__ = [
     "SpanSelection",
     "SqliteBackend",
     "Store",
-    "SubmittedSpans",
     "WatchEvent",
     "make_backend",
     "open_store",
