@@ -102,6 +102,26 @@ class Report:
     temp_dir: str
 
 
+#: How many times a Ray node is started before the run gives up (see :meth:`Run.ray_node`).
+NODE_STARTS = 3
+#: The ports a Ray node listens on, given to each node of its own (the two nodes share one IP address).
+NODE_PORT_OPTIONS = (
+    "--node-manager-port",
+    "--object-manager-port",
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--runtime-env-agent-port",
+    "--metrics-export-port",
+)
+
+
+def kill_group(process: Background) -> None:
+    """SIGKILL a child and whatever it started in its process group (a Ray node's raylet and agents)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.proc.pid, signal.SIGKILL)
+    process.stop(5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -231,26 +251,9 @@ class Run:
             "RAY_gcs_server_port_wait_time_s": "120",  # a loaded two-core machine starts slowly
             "RAY_USAGE_STATS_ENABLED": "0",
         }
+        ours: set[int] = set()  # each node's --node-manager-port, to tell its entry in ray.nodes()
         for head in (True, False):
-            args = [command, "start", "--block", "--log-style", "record"]
-            args += ["--num-cpus", "1", "--num-gpus", "0", "--object-store-memory", str(OBJECT_STORE_BYTES)]
-            args += ["--temp-dir", str(self.tmp / "ray"), "--disable-usage-stats"]
-            for option in (  # each node its own ports (here the two nodes share one IP address)
-                "--node-manager-port",
-                "--object-manager-port",
-                "--dashboard-agent-listen-port",
-                "--dashboard-agent-grpc-port",
-                "--runtime-env-agent-port",
-                "--metrics-export-port",
-            ):
-                args += [option, str(free_port())]
-            if head:
-                args += ["--head", "--port", str(head_port), "--include-dashboard", "false"]
-                args += ["--ray-client-server-port", str(free_port())]
-            else:
-                args += ["--address", f"127.0.0.1:{head_port}"]
-            node = self.background("ray head" if head else "ray node", args, python=False, env=env)
-            started(node, "Ray runtime started", 180)
+            ours.add(self.ray_node(command, head, head_port, env))
         address = f"127.0.0.1:{head_port}"
         start_ray(
             ray,
@@ -260,12 +263,46 @@ class Run:
             logging_level=logging.WARNING,
         )
         self.stack.callback(ray.shutdown)
-        deadline = time.monotonic() + 60
-        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+        deadline = time.monotonic() + 90
+        # exactly our two: a node of a start given up (below) that reached the GCS is alive there until its
+        # health checks fail, and a runner spread onto it would be lost with it
+        while (alive := {n["NodeManagerPort"] for n in ray.nodes() if n["Alive"]}) != ours:
             if time.monotonic() > deadline:
-                raise Failed(f"the Ray cluster at {address} has {len(ray.nodes())} node(s) alive, not 2")
+                raise Failed(
+                    f"the Ray cluster at {address} has nodes {sorted(alive)} alive, not {sorted(ours)}"
+                )
             time.sleep(0.2)
         return ray, address
+
+    def ray_node(self, command: str, head: bool, head_port: int, env: dict[str, str]) -> int:
+        """Start one Ray node (``ray start --block``); returns its node manager's port.
+
+        ``ray start`` gives a node 30 seconds to register with the cluster (Ray's own constant), and a loaded
+        two-core machine has taken longer: that start is given up, its processes killed, and the node started
+        again on fresh ports, three times at most."""
+        for attempt in range(1, NODE_STARTS + 1):
+            ports = {option: free_port() for option in NODE_PORT_OPTIONS}
+            args = [command, "start", "--block", "--log-style", "record"]
+            args += ["--num-cpus", "1", "--num-gpus", "0", "--object-store-memory", str(OBJECT_STORE_BYTES)]
+            args += ["--temp-dir", str(self.tmp / "ray"), "--disable-usage-stats"]
+            for option, port in ports.items():  # each node its own ports (the two nodes share one IP address)
+                args += [option, str(port)]
+            if head:
+                args += ["--head", "--port", str(head_port), "--include-dashboard", "false"]
+                args += ["--ray-client-server-port", str(free_port())]
+            else:
+                args += ["--address", f"127.0.0.1:{head_port}"]
+            name = "ray head" if head else "ray node"
+            node = self.background(name, args, python=False, env=env)
+            try:
+                started(node, "Ray runtime started", 180)
+                return ports["--node-manager-port"]
+            except Failed as failure:
+                kill_group(node)
+                if attempt == NODE_STARTS or "timed out during startup" not in str(failure):
+                    raise
+                self.say(f"{name}: did not register within Ray's 30 s (start {attempt}); starting it again")
+        raise AssertionError("unreachable")
 
     def fleet(self, address: str, store: str) -> RayFleet:
         spec = RunnerSpec(agent=AGENT, store=store, concurrency=CONCURRENCY, options={"poll_wait": 0.5})
