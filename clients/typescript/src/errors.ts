@@ -101,10 +101,45 @@ const CLASS_OF_CODE = new Map<Code, typeof LightningError>(
   CLASSES.map((cls) => [CODE_OF_NAME[cls.codeName] as Code, cls]),
 );
 
+/**
+ * Node's error codes for a connection that broke or could not be made. A call that fails with one of them
+ * was answered by no server: it is UNAVAILABLE, as gRPC itself reports a lost connection (and the Python
+ * client sees it). Connect's Node transport gives a reset connection the code ABORTED and most of the others
+ * INTERNAL, which would read as a server's refusal, and a sender would give up what it had sent.
+ */
+export const CONNECTION_LOST_CODES: ReadonlySet<string> = new Set([
+  "ECONNRESET",
+  "ECONNREFUSED",
+  "ECONNABORTED",
+  "EPIPE",
+  "ETIMEDOUT",
+  "ENETDOWN",
+  "ENETUNREACH",
+  "EHOSTDOWN",
+  "EHOSTUNREACH",
+  "ERR_HTTP2_GOAWAY_SESSION",
+  "ERR_HTTP2_INVALID_SESSION",
+  "ERR_HTTP2_SESSION_ERROR",
+]);
+
+/** The Node error code, among CONNECTION_LOST_CODES, in an error's chain of causes; undefined when none. */
+export function connectionLostCode(error: unknown): string | undefined {
+  const seen = new Set<unknown>();
+  for (let cause = error; cause instanceof Error && !seen.has(cause); cause = cause.cause) {
+    seen.add(cause);
+    const code = (cause as { code?: unknown }).code;
+    if (typeof code === "string" && CONNECTION_LOST_CODES.has(code)) return code;
+  }
+  return undefined;
+}
+
 /** The typed error a call failed with: status code → class, ErrorInfo → reason and metadata. */
 export function fromConnectError(error: unknown): LightningError {
   if (error instanceof LightningError) return error;
   const err = ConnectError.from(error);
+  if (err.code !== Code.Unavailable && connectionLostCode(error) !== undefined) {
+    return new UnavailableError(`connection lost: ${err.rawMessage}`, { code: Code.Unavailable, cause: error });
+  }
   let reason = "";
   let metadata: Record<string, string> = {};
   for (const info of err.findDetails(ErrorInfoSchema)) {

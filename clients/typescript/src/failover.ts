@@ -12,7 +12,7 @@
  */
 import type { DescMessage, DescMethodStreaming, DescMethodUnary, MessageInitShape } from "@bufbuild/protobuf";
 import { Code, ConnectError, type ContextValues, type StreamResponse, type Transport, type UnaryResponse } from "@connectrpc/connect";
-import { fromConnectError } from "./errors.js";
+import { fromConnectError, UnavailableError } from "./errors.js";
 
 /** Reasons of an UNAVAILABLE that a server gives for a call it did not take: another server should. */
 const ELSEWHERE_REASONS = new Set(["NOT_THE_WRITER", "SHUTTING_DOWN"]);
@@ -43,7 +43,7 @@ export function notTaken(error: unknown): boolean {
 }
 
 function lostConnection(error: unknown): boolean {
-  return ConnectError.from(error).code === Code.Unavailable;
+  return fromConnectError(error) instanceof UnavailableError;
 }
 
 /** `input` for one try of a streaming call: whether the try began reading it is noted in `read`. */

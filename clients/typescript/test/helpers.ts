@@ -164,3 +164,55 @@ export async function freePort(): Promise<number> {
     });
   });
 }
+
+/**
+ * A TCP relay on 127.0.0.1 to `target` ("host:port"). `hold()` stops passing on what the client sends (it
+ * waits unread, as at a server that stopped); `reset()` breaks every connection through it with a TCP reset,
+ * as a server's machine that went away does. Connections made afterwards are relayed again.
+ */
+export async function startRelay(
+  target: string,
+): Promise<{ address: string; hold: () => void; reset: () => number; close: () => Promise<void> }> {
+  const { createServer, connect } = await import("node:net");
+  const [host, port] = [target.slice(0, target.lastIndexOf(":")), Number(target.slice(target.lastIndexOf(":") + 1))];
+  const pairs = new Set<[import("node:net").Socket, import("node:net").Socket]>();
+  const relay = createServer((downstream) => {
+    const upstream = connect(port, host);
+    const pair: [typeof downstream, typeof upstream] = [downstream, upstream];
+    pairs.add(pair);
+    const drop = () => {
+      pairs.delete(pair);
+      downstream.destroy();
+      upstream.destroy();
+    };
+    downstream.on("error", drop).on("close", drop).pipe(upstream);
+    upstream.on("error", drop).on("close", drop).pipe(downstream);
+  });
+  await new Promise<void>((resolveListen) => relay.listen(0, "127.0.0.1", resolveListen));
+  const address = relay.address();
+  return {
+    address: `127.0.0.1:${typeof address === "object" && address ? address.port : 0}`,
+    hold: () => {
+      for (const [downstream, upstream] of pairs) {
+        downstream.unpipe(upstream);
+        downstream.pause();
+      }
+    },
+    reset: () => {
+      const broken = pairs.size;
+      for (const [downstream, upstream] of [...pairs]) {
+        downstream.resetAndDestroy();
+        upstream.destroy();
+      }
+      return broken;
+    },
+    close: () =>
+      new Promise<void>((resolveClose) => {
+        relay.close(() => resolveClose());
+        for (const [downstream, upstream] of [...pairs]) {
+          downstream.destroy();
+          upstream.destroy();
+        }
+      }),
+  };
+}

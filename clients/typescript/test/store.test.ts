@@ -5,7 +5,9 @@
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import { join } from "node:path";
+import { Code, ConnectError } from "@connectrpc/connect";
 import {
+  AbortedError,
   AttemptStatus,
   InvalidArgumentError,
   NotFoundError,
@@ -15,13 +17,14 @@ import {
   StoreClient,
   UnauthenticatedError,
   UnavailableError,
+  fromConnectError,
   inputOf,
   makeSpan,
   rolloutTraceId,
   semconv,
   type Span,
 } from "../src/index.js";
-import { eventually, startServer, tempDir, type Server } from "./helpers.js";
+import { eventually, startRelay, startServer, tempDir, type Server } from "./helpers.js";
 
 describe("a server without auth", () => {
   let server: Server;
@@ -126,6 +129,42 @@ describe("a server without auth", () => {
     assert.ok(stored.every((s, i) => i === 0 || s.sequenceId > (stored[i - 1] as Span).sequenceId), "sequence ids grow");
     assert.equal(stream.stats.stored, 100);
     assert.deepEqual(givenUp, ["1:ATTEMPT_NOT_FOUND"]);
+  });
+
+  test("a connection reset under a batch in flight is a lost connection: the batch is sent again, none given up", async () => {
+    const relay = await startRelay(server.address);
+    const through = new StoreClient({ target: relay.address, timeout: 5 });
+    try {
+      const running = await through.startRollout("reset", { workerId: "ts-reset" });
+      const attemptId = running.latestAttempt!.attemptId;
+      const traceId = rolloutTraceId(running.rolloutId);
+      const givenUp: string[] = [];
+      const stream = new SpanStream(through, { onGivenUp: (spans, error) => givenUp.push(`${spans.length}:${error.codeName}:${error.message}`) });
+      const span = (name: string) => makeSpan({ name, rolloutId: running.rolloutId, attemptId, traceId });
+      stream.submit(span("before"));
+      assert.equal(await stream.flush(undefined, undefined, 10), true);
+      relay.hold();
+      stream.submit(span("across")); // sent, and held unanswered when the connection breaks
+      await new Promise((r) => setTimeout(r, 300));
+      assert.equal(stream.pending(), 1);
+      assert.ok(relay.reset() >= 1, "the stream's connection goes through the relay");
+      assert.equal(await stream.flush(undefined, undefined, 20), true);
+      await stream.close();
+      assert.deepEqual(givenUp, []);
+      assert.ok(stream.stats.reconnects >= 1, JSON.stringify(stream.stats));
+      const names = (await client.querySpans(running.rolloutId)).map((s) => s.name).sort();
+      assert.deepEqual(names, ["across", "before"]);
+    } finally {
+      await relay.close();
+    }
+  });
+
+  test("a reset connection is UNAVAILABLE (transient); a server's ABORTED stays ABORTED", () => {
+    const reset = Object.assign(new Error("read ECONNRESET"), { code: "ECONNRESET", syscall: "read" });
+    const lost = fromConnectError(new ConnectError("read ECONNRESET", Code.Aborted, undefined, undefined, reset));
+    assert.ok(lost instanceof UnavailableError && lost.transient, `${lost.name}: ${lost.message}`);
+    const refused = fromConnectError(new ConnectError("the attempt changed", Code.Aborted));
+    assert.ok(refused instanceof AbortedError && !refused.transient, refused.name);
   });
 
   test("typed errors carry the ErrorInfo reason, metadata and field", async () => {
