@@ -388,7 +388,7 @@ def merged_ops(submissions: Iterable[list[Op]]) -> list[Op]:
     keyed: dict[str, dict[Any, Any]] = {}
 
     def flush() -> None:
-        for kind in ("rollouts", "attempts", "workers", "resources"):
+        for kind in ROW_KEYS:  # the replaced rows first, in the order a submission writes them
             if keyed.get(kind):
                 merged.append((kind, list(keyed[kind].values())))
         if spans:

@@ -1,0 +1,88 @@
+"""Answering a client stream in order while its next messages are already taken.
+
+A bidirectional stream whose answers wait for something slow (a span batch for its commit) would otherwise
+take one message, wait, answer and only then read the next: one batch a commit per stream, however many the
+client has sent. :func:`answers_in_order` reads on while earlier answers wait, so a stream's batches share
+commits, and still answers each message, in the order the messages came, once its answer is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeVar
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+async def answers_in_order(
+    messages: AsyncIterator[Req],
+    take: Callable[[Req], Resp | asyncio.Future[Resp]],
+    depth: int,
+) -> AsyncGenerator[Resp, None]:
+    """The answers to ``messages``, one each, in their order.
+
+    ``take`` handles a message as soon as it is read, in the order read, and returns its answer or a future
+    (a task) that ends with it; at most ``depth`` answers wait at once (the stream is read no further until
+    the oldest is ready). When reading or taking a message raises, the answers already owed are given first
+    and the error then ends the stream; when a future raises, its error ends the stream at its turn (the
+    messages after it stay unanswered: a client resends what it has not seen answered).
+    """
+    owed: deque[Resp | asyncio.Future[Resp]] = deque()
+    reading: asyncio.Future[Req] | None = None
+    try:
+        while True:
+            while owed and _ready(owed[0]):
+                yield _answer(owed.popleft())
+            oldest = owed[0] if owed else None  # not ready: a future still pending
+            if isinstance(oldest, asyncio.Future) and len(owed) >= depth:
+                await asyncio.wait((oldest,))
+                continue
+            try:
+                if reading is None and not isinstance(oldest, asyncio.Future):
+                    message = await anext(messages)  # nothing owed: no task needed to read
+                else:
+                    if reading is None:
+                        reading = asyncio.ensure_future(anext(messages))
+                    waits: set[asyncio.Future[Any]] = {reading}
+                    if isinstance(oldest, asyncio.Future):
+                        waits.add(oldest)
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if not reading.done():
+                        continue
+                    done, reading = reading, None
+                    message = done.result()
+                owed.append(take(message))
+            except StopAsyncIteration:
+                break
+            except Exception:
+                while owed:
+                    yield await _settled(owed.popleft())
+                raise
+        while owed:
+            yield await _settled(owed.popleft())
+    finally:
+        if reading is not None:
+            reading.cancel()
+        for item in owed:  # unanswered: their errors are not news to anyone
+            if isinstance(item, asyncio.Future):
+                item.add_done_callback(_swallow)
+
+
+def _ready(item: object) -> bool:
+    return not isinstance(item, asyncio.Future) or item.done()
+
+
+def _answer(item: Resp | asyncio.Future[Resp]) -> Resp:
+    return item.result() if isinstance(item, asyncio.Future) else item
+
+
+async def _settled(item: Resp | asyncio.Future[Resp]) -> Resp:
+    return await item if isinstance(item, asyncio.Future) else item
+
+
+def _swallow(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

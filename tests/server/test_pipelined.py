@@ -1,0 +1,133 @@
+"""answers_in_order: a client stream read on while earlier answers wait, answered in the order it came."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from lightning_grpc.server.pipelined import answers_in_order
+
+
+class Stream:
+    """A client stream the test feeds one message at a time, recording when each one was read."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.read: list[object] = []
+
+    async def messages(self) -> AsyncIterator[object]:
+        while True:
+            item = await self.queue.get()
+            if item is StopAsyncIteration:
+                return
+            if isinstance(item, Exception):
+                raise item
+            self.read.append(item)
+            yield item
+
+
+async def collect(answers: AsyncIterator[str], into: list[str]) -> None:
+    async for answer in answers:
+        into.append(answer)
+
+
+async def settle() -> None:
+    """Long enough for the loop to run everything that is ready."""
+    await asyncio.sleep(0.05)
+
+
+async def test_later_messages_are_taken_while_an_answer_waits_and_answers_keep_their_order() -> None:
+    stream = Stream()
+    commits: dict[int, asyncio.Future[str]] = {}
+
+    def take(message: object) -> str | asyncio.Task[str]:
+        n = int(str(message))
+        if n % 2:  # odd messages answer at once, even ones when the test says so
+            return f"answer {n}"
+        commits[n] = asyncio.get_running_loop().create_future()
+        return asyncio.ensure_future(commits[n])
+
+    got: list[str] = []
+    task = asyncio.ensure_future(collect(answers_in_order(stream.messages(), take, depth=8), got))
+    for n in (1, 2, 3, 4, 5):
+        stream.queue.put_nowait(n)
+    await settle()
+    assert stream.read == [1, 2, 3, 4, 5]  # read on although 2 is not answered
+    assert got == ["answer 1"]  # 3 and 5 wait behind 2
+    commits[4].set_result("answer 4")
+    await settle()
+    assert got == ["answer 1"]
+    commits[2].set_result("answer 2")
+    await settle()
+    assert got == ["answer 1", "answer 2", "answer 3", "answer 4", "answer 5"]
+    stream.queue.put_nowait(StopAsyncIteration)
+    await asyncio.wait_for(task, 1)
+
+
+async def test_no_more_than_depth_answers_wait_before_the_stream_is_read_further() -> None:
+    stream = Stream()
+    pending: list[asyncio.Future[str]] = []
+
+    def take(message: object) -> asyncio.Task[str]:
+        pending.append(asyncio.get_running_loop().create_future())
+        return asyncio.ensure_future(pending[-1])
+
+    got: list[str] = []
+    task = asyncio.ensure_future(collect(answers_in_order(stream.messages(), take, depth=3), got))
+    for n in range(6):
+        stream.queue.put_nowait(n)
+    await settle()
+    assert stream.read == [0, 1, 2]
+    pending[0].set_result("a0")
+    await settle()
+    assert got == ["a0"] and stream.read == [0, 1, 2, 3]
+    for i in range(1, 6):  # each answer given lets one more message in
+        assert len(stream.read) == min(6, i + 3)
+        pending[i].set_result(f"a{i}")
+        await settle()
+    stream.queue.put_nowait(StopAsyncIteration)
+    await asyncio.wait_for(task, 1)
+    assert got == [f"a{i}" for i in range(6)]
+
+
+async def test_a_stream_that_ends_or_fails_first_gets_every_answer_already_owed() -> None:
+    for ending in (StopAsyncIteration, ConnectionError("the client went away")):
+        stream = Stream()
+        commit: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        def take(message: object, commit: asyncio.Future[str] = commit) -> asyncio.Task[str]:
+            return asyncio.ensure_future(commit)
+
+        got: list[str] = []
+        task = asyncio.ensure_future(collect(answers_in_order(stream.messages(), take, depth=4), got))
+        stream.queue.put_nowait(1)
+        stream.queue.put_nowait(ending)
+        await settle()
+        assert not task.done()  # the answer owed is waited for
+        commit.set_result("stored")
+        await settle()
+        assert got == ["stored"]
+        if ending is StopAsyncIteration:
+            await asyncio.wait_for(task, 1)
+        else:
+            with pytest.raises(ConnectionError):
+                await asyncio.wait_for(task, 1)
+
+
+async def test_an_answer_that_fails_ends_the_stream_at_its_turn() -> None:
+    stream = Stream()
+
+    async def fail() -> str:
+        raise RuntimeError("the commit failed")
+
+    def take(message: object) -> str | asyncio.Task[str]:
+        return asyncio.ensure_future(fail()) if message == 2 else f"answer {message}"
+
+    got: list[str] = []
+    for n in (1, 2, 3):
+        stream.queue.put_nowait(n)
+    with pytest.raises(RuntimeError, match="the commit failed"):
+        await asyncio.wait_for(collect(answers_in_order(stream.messages(), take, depth=4), got), 1)
+    assert got == ["answer 1"]
