@@ -88,12 +88,12 @@ class ServicerState:
         whole grace period; ended between two messages, nothing acknowledged is lost and the client
         reconnects and resends what it has not seen acknowledged.
         """
-        task = asyncio.current_task()
-        assert task is not None
         waiting = self._waiting_streams()
         while True:
             if self.shutting_down:
                 raise _shutting_down()
+            task = asyncio.current_task()  # the task reading now: a stream may be read ahead by another
+            assert task is not None
             waiting.add(task)
             try:
                 message = await anext(requests)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -11,13 +13,20 @@ import grpc
 from lightning_grpc import convert
 from lightning_grpc.convert.store import statistics_to_pb
 from lightning_grpc.errors import InvalidArgumentError, LightningError, UnavailableError
-from lightning_grpc.store import DequeueRequest, SpanRecord, SpanSelection, Store
+from lightning_grpc.store import (
+    AddSpansResult,
+    DequeueRequest,
+    SpanRecord,
+    SpanSelection,
+    Store,
+)
 from lightning_grpc.v1 import common_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
 from . import caller, wire
 from .handlers import ServicerState, Undecodable, register_service, streaming, unary
+from .pipelined import answers_in_order
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -37,6 +46,36 @@ def _span_records(spans: Any, rollout_id: str, attempt_id: str) -> list[SpanReco
     records = convert.span_records(spans)
     caller.authorize_spans((r.rollout_id or rollout_id, r.attempt_id or attempt_id) for r in records)
     return records
+
+
+#: The batches of one AddSpansStream that may wait for their commit at once (see answers_in_order).
+STREAM_BATCHES_IN_COMMIT = 16
+
+
+def _batch_stored(batch_id: int, result: AddSpansResult) -> pb.AddSpansStreamResponse:
+    return pb.AddSpansStreamResponse(
+        batch_id=batch_id, stored_count=result.stored_count, duplicate_count=result.duplicate_count
+    )
+
+
+def _batch_refused(batch_id: int, exc: LightningError) -> pb.AddSpansStreamResponse:
+    code = grpc.StatusCode[exc.code_name].value[0]
+    return pb.AddSpansStreamResponse(
+        batch_id=batch_id, error=pb.BatchError(code=code, reason=exc.reason, message=exc.message)
+    )
+
+
+async def _once_durable(
+    batch_id: int, result: AddSpansResult, durable: Awaitable[None]
+) -> pb.AddSpansStreamResponse:
+    """The answer to a stream's batch once its commit is done (an UNAVAILABLE store ends the stream)."""
+    try:
+        await durable
+    except UnavailableError:
+        raise
+    except LightningError as exc:
+        return _batch_refused(batch_id, exc)
+    return _batch_stored(batch_id, result)
 
 
 def _selection(sel: pb.SpanSelector) -> SpanSelection:
@@ -266,30 +305,36 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def AddSpansStream(
         self, request_iterator: AsyncIterator[Any], context: Ctx
     ) -> AsyncIterator[pb.AddSpansStreamResponse]:
-        """Each request is a wire.AddSpansStreamRequestRaw: the spans stay serialized."""
-        async for batch in self.until_drained(request_iterator):
-            if isinstance(batch, Undecodable):
-                raise batch.error()
-            try:
-                result = await self.store.add_spans(
-                    _span_records(batch.spans, batch.rollout_id, batch.attempt_id),
-                    batch.rollout_id,
-                    batch.attempt_id,
-                )
-            except UnavailableError:
-                raise  # the server cannot take spans now: the stream ends, the client reconnects and resends
-            except LightningError as exc:  # about this batch: the client's shipper decides (exc.transient)
-                code = grpc.StatusCode[exc.code_name].value[0]
-                yield pb.AddSpansStreamResponse(
-                    batch_id=batch.batch_id,
-                    error=pb.BatchError(code=code, reason=exc.reason, message=exc.message),
-                )
-                continue
-            yield pb.AddSpansStreamResponse(
-                batch_id=batch.batch_id,
-                stored_count=result.stored_count,
-                duplicate_count=result.duplicate_count,
+        """Each request is a wire.AddSpansStreamRequestRaw: the spans stay serialized.
+
+        Batches are stored in the order they arrive and answered in that order, each once it is durable;
+        up to :data:`STREAM_BATCHES_IN_COMMIT` of a stream wait for their commit while the next are read, so
+        a client with many batches in flight fills each commit from one stream too."""
+        messages = self.until_drained(request_iterator)
+        async with aclosing(
+            answers_in_order(messages, self._take_span_batch, STREAM_BATCHES_IN_COMMIT)
+        ) as answers:
+            async for answer in answers:
+                yield answer
+
+    def _take_span_batch(
+        self, batch: Any
+    ) -> pb.AddSpansStreamResponse | asyncio.Task[pb.AddSpansStreamResponse]:
+        if isinstance(batch, Undecodable):
+            raise batch.error()
+        try:
+            submitted = self.store.submit_spans(
+                _span_records(batch.spans, batch.rollout_id, batch.attempt_id),
+                batch.rollout_id,
+                batch.attempt_id,
             )
+        except UnavailableError:
+            raise  # the server cannot take spans now: the stream ends, the client reconnects and resends
+        except LightningError as exc:  # about this batch: the client's shipper decides (exc.transient)
+            return _batch_refused(batch.batch_id, exc)
+        if submitted.durable is None:
+            return _batch_stored(batch.batch_id, submitted.result)
+        return asyncio.ensure_future(_once_durable(batch.batch_id, submitted.result, submitted.durable))
 
     @unary
     async def ListSpans(self, request: pb.ListSpansRequest, context: Ctx) -> bytes:  # type: ignore[override]

@@ -8,7 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from .backend import Backend, MemoryBackend
-from .core import AddSpansResult, DequeueRequest, HeartbeatResult, SpanSelection, Store, WatchEvent
+from .core import (
+    AddSpansResult,
+    DequeueRequest,
+    HeartbeatResult,
+    SpanSelection,
+    Store,
+    SubmittedSpans,
+    WatchEvent,
+)
 from .sqlite import SqliteBackend
 from .state import SpanRecord
 
@@ -22,6 +30,7 @@ __all__ = [
     "SpanSelection",
     "SqliteBackend",
     "Store",
+    "SubmittedSpans",
     "WatchEvent",
     "make_backend",
     "open_store",

@@ -1,9 +1,11 @@
-"""Writes committed together: a commit of many submissions leaves exactly what applying each in turn would
-(SQLite and PostgreSQL, read back by a new server)."""
+"""Writes committed together: what is submitted before an earlier write is durable, and a commit of many
+submissions, leave exactly what applying each in turn would (SQLite and PostgreSQL, read back by a new
+server)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,7 +14,8 @@ from lightning_grpc import convert
 from lightning_grpc.client import StoreClient
 from lightning_grpc.errors import NotFoundError
 from lightning_grpc.server.app import ServerConfig, start_server
-from lightning_grpc.store import rows
+from lightning_grpc.store import SpanRecord, open_store, rows
+from lightning_grpc.types import RolloutSpec, Span
 from lightning_grpc.v1 import store_service_pb2 as pb
 from tests.helpers import make_spans
 
@@ -23,7 +26,48 @@ def durable_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-async def test_a_span_stream_sent_ahead_is_answered_in_order_and_stored_once(
+def records(spans: list[Span]) -> list[SpanRecord]:
+    return convert.span_records([convert.span_to_pb(s).SerializeToString() for s in spans])
+
+
+async def test_a_batch_submitted_before_the_last_is_durable_sees_its_spans(tmp_path: Path) -> None:
+    store = await open_store(tmp_path / "s.db")
+    rollout = await store.start_rollout(RolloutSpec(input={"task": 1}), "w")
+    assert rollout.latest_attempt is not None
+    rid, aid = rollout.rollout_id, rollout.latest_attempt.attempt_id
+    spans = make_spans(10)
+    first = store.submit_spans(records(spans), rid, aid)
+    assert first.durable is not None  # SQLite: handed to the writer, not committed yet
+    again = store.submit_spans(records(spans), rid, aid)  # the same span ids, resent
+    assert again.result.duplicate_count == 10 and again.result.stored_count == 0
+    assert again.result.sequence_ids == first.result.sequence_ids == list(range(1, 11))
+    more = store.submit_spans(records(make_spans(5)), rid, aid)
+    assert more.result.sequence_ids == list(range(11, 16))
+    for submitted in (first, again, more):
+        if submitted.durable is not None:
+            await submitted.durable
+    await store.close()
+
+    reopened = await open_store(tmp_path / "s.db")
+    try:
+        stats = await reopened.statistics()
+        assert stats.total_spans == 15
+    finally:
+        await reopened.close()
+
+
+async def test_a_memory_store_has_nothing_to_wait_for() -> None:
+    store = await open_store()
+    rollout = await store.start_rollout(RolloutSpec(input={"task": 1}), "w")
+    assert rollout.latest_attempt is not None
+    submitted = store.submit_spans(
+        records(make_spans(3)), rollout.rollout_id, rollout.latest_attempt.attempt_id
+    )
+    assert submitted.durable is None and submitted.result.stored_count == 3
+    await store.close()
+
+
+async def test_a_span_stream_read_ahead_is_answered_in_order_and_stored_once(
     server_config: ServerConfig,
 ) -> None:
     """Batches sent without waiting for their answers (a runner's stream keeps many in flight): each is

@@ -47,6 +47,7 @@ from .limits import (
     SPAN_OVERHEAD_BYTES,
     new_id,
 )
+from .spans import SubmittedSpans
 from .store import Store
 from .validation import check_json, check_timeout
 
@@ -71,6 +72,7 @@ __all__ = [
     "HeartbeatResult",
     "SpanSelection",
     "Store",
+    "SubmittedSpans",
     "WatchEvent",
     "check_json",
     "check_timeout",

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_grpc import logs
 from lightning_grpc.errors import (
@@ -212,19 +213,28 @@ class StoreBase:
 
         A write that ``frees_space`` goes ahead of writes held for want of space (the backend commits it
         first), so it waits for its own commit a while even when the store is full."""
+        durable = self._submit(tx, frees_space=frees_space)
+        if durable is not None:
+            await durable
+
+    def _submit(self, tx: Txn, *, frees_space: bool = False) -> Coroutine[Any, Any, None] | None:
+        """Hand ``tx`` to the backend now: :meth:`_apply` without its wait. Returns the coroutine that waits
+        until ``tx`` (and everything submitted before it) is durable, or None when it already is."""
         if tx.is_empty():
-            await self._durable()
-            return
+            last = self._last_commit
+            if (last is None or last.done()) and self._broken is None:
+                return None
+            return self._durable()
         if tx.changes:
             tx.meta.setdefault("revision", str(tx.changes[-1].revision))
         fut = self.backend.submit(tx)
         if fut is None:
             self._after_commit(tx)
-            return
+            return None
         if not (frees_space and self.backend.out_of_space):  # else it is committed ahead of the held writes
             self._last_commit = fut
         fut.add_done_callback(lambda f: self._on_commit_done(f, tx))
-        await self._until_committed(fut, held=True, patience=FREEING_PATIENCE if frees_space else 0.0)
+        return self._until_committed(fut, held=True, patience=FREEING_PATIENCE if frees_space else 0.0)
 
     async def _until_committed(
         self, fut: asyncio.Future[None], *, held: bool = False, patience: float = 0.0

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import asdict
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from lightning_grpc.errors import InvalidArgumentError, Reason, ResourceExhaustedError
 from lightning_grpc.types import AddSpansResult, Page
@@ -21,6 +22,15 @@ from .validation import check_limit
 END_OF_SPANS = MAX_SEQUENCE_ID + 1
 
 
+@dataclass(slots=True)
+class SubmittedSpans:
+    """A batch :meth:`SpansSection.submit_spans` took: what it became, and the wait for its commit."""
+
+    result: AddSpansResult
+    #: Returns once the batch is durable (raises what the commit raised); None when it already is.
+    durable: Coroutine[Any, Any, None] | None
+
+
 class SpansSection(SpanStaging):
     """Spans of attempts (see :mod:`.staging` for how a batch is stored)."""
 
@@ -28,11 +38,21 @@ class SpansSection(SpanStaging):
         self, records: list[SpanRecord], rollout_id: str = "", attempt_id: str = ""
     ) -> AddSpansResult:
         """Store spans; a span id already stored in its attempt is skipped (so batches can be resent)."""
+        submitted = self.submit_spans(records, rollout_id, attempt_id)
+        if submitted.durable is not None:
+            await submitted.durable
+        return submitted.result
+
+    def submit_spans(
+        self, records: list[SpanRecord], rollout_id: str = "", attempt_id: str = ""
+    ) -> SubmittedSpans:
+        """:meth:`add_spans` up to the wait for its commit: the batch is checked, numbered and handed to the
+        backend now (a later batch sees its span ids), and is durable once ``durable`` (when not None) has
+        been awaited without an error. A caller holding several batches awaits each one's ``durable``."""
         self._check_writable()
         tx = Txn()
         result = self._stage_spans(records, rollout_id, attempt_id, tx)
-        await self._apply(tx)
-        return result
+        return SubmittedSpans(result, self._submit(tx))
 
     async def next_span_sequence_id(self, rollout_id: str, attempt_id: str, count: int = 1) -> int:
         """Reserve ``count`` sequence ids of an attempt; returns the first."""
