@@ -280,7 +280,9 @@ class Run:
         ``ray start`` gives a node 30 seconds to register with the cluster (Ray's own constant), and a loaded
         two-core machine has taken longer: that start is given up, its processes killed, and the node started
         again on fresh ports, three times at most."""
-        for attempt in range(1, NODE_STARTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             ports = {option: free_port() for option in NODE_PORT_OPTIONS}
             args = [command, "start", "--block", "--log-style", "record"]
             args += ["--num-cpus", "1", "--num-gpus", "0", "--object-store-memory", str(OBJECT_STORE_BYTES)]
@@ -302,7 +304,6 @@ class Run:
                 if attempt == NODE_STARTS or "timed out during startup" not in str(failure):
                     raise
                 self.say(f"{name}: did not register within Ray's 30 s (start {attempt}); starting it again")
-        raise AssertionError("unreachable")
 
     def fleet(self, address: str, store: str) -> RayFleet:
         spec = RunnerSpec(agent=AGENT, store=store, concurrency=CONCURRENCY, options={"poll_wait": 0.5})

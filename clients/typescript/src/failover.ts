@@ -12,7 +12,7 @@
  */
 import type { DescMessage, DescMethodStreaming, DescMethodUnary, MessageInitShape } from "@bufbuild/protobuf";
 import { Code, ConnectError, type ContextValues, type StreamResponse, type Transport, type UnaryResponse } from "@connectrpc/connect";
-import { fromConnectError, UnavailableError } from "./errors.js";
+import { connectionLostCode, fromConnectError, UnavailableError } from "./errors.js";
 
 /** Reasons of an UNAVAILABLE that a server gives for a call it did not take: another server should. */
 const ELSEWHERE_REASONS = new Set(["NOT_THE_WRITER", "SHUTTING_DOWN"]);
@@ -27,18 +27,10 @@ export function targetAddresses(target: string): string[] {
   return addresses;
 }
 
-function causeCode(error: unknown): string | undefined {
-  for (let cause = error, depth = 0; cause instanceof Error && depth < 4; cause = cause.cause, depth++) {
-    const code = (cause as { code?: unknown }).code;
-    if (typeof code === "string") return code;
-  }
-  return undefined;
-}
-
 /** Whether a call failed before any server took it: nobody listening, or a server that sent it elsewhere. */
 export function notTaken(error: unknown): boolean {
   if (!(error instanceof ConnectError) || error.code !== Code.Unavailable) return false;
-  if (causeCode(error.cause) === "ECONNREFUSED") return true;
+  if (connectionLostCode(error) === "ECONNREFUSED") return true;
   return ELSEWHERE_REASONS.has(fromConnectError(error).reason);
 }
 
