@@ -484,8 +484,7 @@ class PostgresBackend:
                 batch.append(nxt)
             error = self._commit(batch)
             assert self._loop is not None
-            for _, fut in batch:
-                self._loop.call_soon_threadsafe(rows.resolve, fut, error)
+            self._loop.call_soon_threadsafe(rows.resolve_all, batch, error)
         if self._write_conn is not None:
             self._write_conn.close()
             self._write_conn = None

@@ -484,3 +484,10 @@ def resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(error)
+
+
+def resolve_all(batch: list[Submission], error: BaseException | None) -> None:
+    """Answer every submitter of a commit (called on their event loop, once for the whole commit: each
+    hand-over from the writer's thread wakes the loop with a write to its self-pipe)."""
+    for _, fut in batch:
+        resolve(fut, error)

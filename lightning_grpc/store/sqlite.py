@@ -328,8 +328,7 @@ class SqliteBackend:
                 batch.append(nxt)
             error = self._commit(conn, batch)
             assert self._loop is not None
-            for _, fut in batch:
-                self._loop.call_soon_threadsafe(rows.resolve, fut, error)
+            self._loop.call_soon_threadsafe(rows.resolve_all, batch, error)
         conn.close()
 
     def set_max_bytes(self, max_bytes: int | None) -> None:

@@ -197,3 +197,19 @@ def test_merged_ops_keep_the_last_row_of_each_key_and_nothing_crosses_a_delete()
         ("changes", [(3, "ro-2", "{}"), (4, "ro-2", "{}")]),
         ("meta", [("revision", "4")]),
     ]
+
+
+async def test_one_hand_over_answers_every_submitter_of_a_commit_and_leaves_the_cancelled_alone() -> None:
+    loop = asyncio.get_running_loop()
+    stored: list[rows.Submission] = [([], loop.create_future()) for _ in range(3)]
+    gone: asyncio.Future[None] = loop.create_future()
+    gone.cancel()
+    loop.call_soon_threadsafe(rows.resolve_all, [*stored, ([], gone)], None)
+    await asyncio.wait_for(asyncio.gather(*(fut for _, fut in stored)), 5)
+    assert gone.cancelled()
+    failed: list[rows.Submission] = [([], loop.create_future()) for _ in range(2)]
+    error = OSError("disk I/O error")
+    loop.call_soon_threadsafe(rows.resolve_all, failed, error)
+    for _, fut in failed:
+        with pytest.raises(OSError, match="disk I/O error"):
+            await asyncio.wait_for(fut, 5)
