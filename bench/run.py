@@ -58,7 +58,9 @@ class Sizes:
     writers: tuple[int, ...] = (1, 8, 32)
     rollouts: int = 2_000
     cycle_workers: tuple[int, ...] = (8, 32)
-    latency_samples: int = 50
+    #: Completion-latency samples of each variant: the p99 (bench/agl_peer.py's ``percentile``) is the
+    #: largest sample up to 100 of them, so at 50 a single slow sample was the whole figure.
+    latency_samples: int = 200
     query_rollouts: int = 10_000
     fill_spans: int = 1_000_000
     runs: int = 2
