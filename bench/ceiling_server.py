@@ -1,7 +1,10 @@
 """The Python gRPC ceiling: a grpc.aio server that parses span batches and stores nothing.
 
 It answers the same methods with the same messages as the Store, so the same driver measures
-both; the gap between them is what storing costs.
+both; the gap between them is what storing costs. For the rollout cycle it also hands out queued
+rollouts (EnqueueRollouts, DequeueRollouts, CompleteAttempt with its dequeue_next) from a plain
+queue of ids, with no states, attempts, timeouts or records: what one call a rollout costs in
+gRPC and Protobuf alone.
 
     python bench/ceiling_server.py --port 0      # prints "READY <port>"
 """
@@ -10,18 +13,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import itertools
 import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lightning_grpc.v1 import rollout_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 
 SERVICE = "lightning.v1.StoreService"
+QUEUING, RUNNING, SUCCEEDED = (
+    rollout_pb2.ROLLOUT_STATUS_QUEUING,
+    rollout_pb2.ROLLOUT_STATUS_RUNNING,
+    rollout_pb2.ROLLOUT_STATUS_SUCCEEDED,
+)
+ATTEMPT_RUNNING = rollout_pb2.ATTEMPT_STATUS_RUNNING
 
 
 async def add_spans(request: pb.AddSpansRequest, context: grpc.aio.ServicerContext) -> pb.AddSpansResponse:
@@ -33,6 +46,63 @@ async def add_spans_stream(
 ) -> AsyncIterator[pb.AddSpansStreamResponse]:
     async for batch in requests:
         yield pb.AddSpansStreamResponse(batch_id=batch.batch_id, stored_count=len(batch.spans))
+
+
+class RolloutQueue:
+    """Queued rollout ids and their inputs; a claim answers a RUNNING rollout with an attempt."""
+
+    def __init__(self) -> None:
+        self.queued: collections.deque[tuple[str, Any]] = collections.deque()
+        self.ids = itertools.count(1)
+
+    async def enqueue(
+        self, request: pb.EnqueueRolloutsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EnqueueRolloutsResponse:
+        resp = pb.EnqueueRolloutsResponse()
+        for spec in request.rollouts:
+            rollout = resp.rollouts.add(rollout_id=f"ro-{next(self.ids):012x}", status=QUEUING)
+            rollout.input.CopyFrom(spec.input)
+            rollout.create_time.GetCurrentTime()
+            self.queued.append((rollout.rollout_id, spec.input))
+        return resp
+
+    async def claim(self, worker_id: str, wait: float, into: Any) -> None:
+        """One queued rollout as claimed by ``worker_id`` into the repeated field ``into``; none, after
+        ``wait`` seconds (at most 0.2), when the queue is empty."""
+        if not self.queued:
+            await asyncio.sleep(min(wait, 0.2))
+            return
+        rollout_id, value = self.queued.popleft()
+        rollout = into.add(rollout_id=rollout_id, status=RUNNING, attempt_count=1)
+        rollout.input.CopyFrom(value)
+        rollout.start_time.GetCurrentTime()
+        attempt = rollout.latest_attempt
+        attempt.rollout_id, attempt.attempt_id, attempt.sequence_number = rollout_id, f"at-{rollout_id}", 1
+        attempt.status, attempt.worker_id = ATTEMPT_RUNNING, worker_id
+        attempt.start_time.CopyFrom(rollout.start_time)
+
+    async def dequeue(
+        self, request: pb.DequeueRolloutsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DequeueRolloutsResponse:
+        resp = pb.DequeueRolloutsResponse()
+        await self.claim(request.worker_id, request.wait_timeout.ToTimedelta().total_seconds(), resp.rollouts)
+        return resp
+
+    async def complete(
+        self, request: pb.CompleteAttemptRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CompleteAttemptResponse:
+        resp = pb.CompleteAttemptResponse()
+        resp.attempt.rollout_id, resp.attempt.attempt_id = request.rollout_id, request.attempt_id
+        resp.attempt.sequence_number, resp.attempt.status = 1, request.status
+        resp.attempt.end_time.GetCurrentTime()
+        resp.rollout.rollout_id, resp.rollout.status = request.rollout_id, SUCCEEDED
+        resp.rollout.end_time.CopyFrom(resp.attempt.end_time)
+        if request.HasField("dequeue_next"):
+            nxt = request.dequeue_next
+            await self.claim(
+                nxt.worker_id, nxt.wait_timeout.ToTimedelta().total_seconds(), resp.next_rollouts
+            )
+        return resp
 
 
 async def main(port: int) -> None:
@@ -53,6 +123,7 @@ async def main(port: int) -> None:
             request_deserializer=pb.AddSpansStreamRequest.FromString,
             response_serializer=pb.AddSpansStreamResponse.SerializeToString,
         ),
+        **rollout_handlers(RolloutQueue()),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
@@ -64,6 +135,19 @@ async def main(port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(1)
+
+
+def rollout_handlers(queue: RolloutQueue) -> dict[str, grpc.RpcMethodHandler]:
+    def unary(method: Any, request: Any, response: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            method, request_deserializer=request.FromString, response_serializer=response.SerializeToString
+        )
+
+    return {
+        "EnqueueRollouts": unary(queue.enqueue, pb.EnqueueRolloutsRequest, pb.EnqueueRolloutsResponse),
+        "DequeueRollouts": unary(queue.dequeue, pb.DequeueRolloutsRequest, pb.DequeueRolloutsResponse),
+        "CompleteAttempt": unary(queue.complete, pb.CompleteAttemptRequest, pb.CompleteAttemptResponse),
+    }
 
 
 if __name__ == "__main__":

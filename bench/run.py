@@ -354,12 +354,12 @@ def run_grpc_store(srv: Server, sizes: Sizes, setup: bool) -> dict[str, Any]:
             spans = sizes.spans if shape != "single" else min(sizes.spans, sizes.single_spans)
             args = ["span-ingest", "--writers", str(w), "--spans", str(spans), "--shape", shape]
             out[f"span_ingest/w{w}/{shape}"] = grpc_drive(srv, args + (["--setup"] if setup else []), sizes)
-    if not setup:
-        return out
-    for k in sizes.cycle_workers:
+    for k in sizes.cycle_workers:  # the ceiling's are its queue of ids (bench/ceiling_server.py)
         args = ["rollout-cycle", "--rollouts", str(sizes.rollouts), "--workers", str(k)]
         out[f"rollout_cycle/k{k}"] = grpc_drive(srv, args, sizes)
         out[f"rollout_cycle/k{k}/three_calls"] = grpc_drive(srv, [*args, "--api", "separate"], sizes)
+    if not setup:
+        return out
     for via in ("wait", "watch"):
         args = ["completion-latency", "--samples", str(sizes.latency_samples), "--via", via]
         out[f"completion_latency/{via}"] = grpc_drive(srv, args, sizes)
@@ -663,6 +663,10 @@ def run_ratios(run: dict[str, Any]) -> dict[str, float | None]:
             w8(POSTGRES, "stream64"), w8("lightning_grpc_sqlite", "stream64")
         ),
         "postgres_vs_sqlite_rollout_cycle": ratio(cycle(POSTGRES), cycle("lightning_grpc_sqlite")),
+        # the rollout cycle against a server that only queues ids (bench/ceiling_server.py)
+        "rollout_cycle_k32_vs_ceiling_memory": ratio(cycle("lightning_grpc_memory"), cycle("ceiling")),
+        "rollout_cycle_k32_vs_ceiling_sqlite": ratio(cycle("lightning_grpc_sqlite"), cycle("ceiling")),
+        "rollout_cycle_k32_ceiling_vs_agl": ratio(cycle("ceiling"), cycle("agentlightning")),
         # the worse backend: the lower speedup, the higher wire ratio
         "trainer_batch_speedup": worst([figure(run, s, "trainer_batch", "speedup") for s in ours_systems]),
         "trainer_batch_wire_ratio": worst(
@@ -806,12 +810,28 @@ def markdown(report: dict[str, Any]) -> str:
         f"(peak {_fmt(fill.get('peak_rss_mib'), 1)} MiB), database {_fmt(fill.get('db_mib'), 1)} MiB, "
         f"ingest {_fmt(fill.get('spans_per_s'))} spans/s.",
         "",
+        *cycle_ceiling_markdown(report),
         *postgres_markdown(report),
     ]
     lines += trainer_batch_markdown(runs)
     lines += trainer_loop_markdown(report.get("trainer_loop"))
     lines += proxy_markdown(report.get("proxy_overhead"))
     return "\n".join(lines) + "\n"
+
+
+def cycle_ceiling_markdown(report: dict[str, Any]) -> list[str]:
+    """The rollout cycle against the gRPC ceiling: what one unary call a rollout allows at all."""
+    r = report["ratios"]
+    if r.get("rollout_cycle_k32_ceiling_vs_agl") is None:
+        return []
+    return [
+        "Rollout cycle K=32 against the gRPC ceiling (`bench/ceiling_server.py`: the same calls answered from a "
+        "queue of ids, nothing checked or stored), worst over runs: memory "
+        f"{_fmt(r.get('rollout_cycle_k32_vs_ceiling_memory'), 2)}, SQLite "
+        f"{_fmt(r.get('rollout_cycle_k32_vs_ceiling_sqlite'), 2)} of the ceiling; the ceiling itself is "
+        f"{_fmt(r.get('rollout_cycle_k32_ceiling_vs_agl'), 2)}x Agent Lightning.",
+        "",
+    ]
 
 
 def postgres_markdown(report: dict[str, Any]) -> list[str]:

@@ -26,9 +26,11 @@ def test_the_benchmark_harness_runs_every_grpc_peer_and_writes_its_reports(tmp_p
             res = run[system]["results"][f"span_ingest/w8/{shape}"]
             assert "error" not in res, res
             assert res["spans_done"] == 256 and res["spans_per_s"] > 0
+    for system in ("ceiling", "lightning_grpc_memory", "lightning_grpc_sqlite"):
+        for workload in ("rollout_cycle/k8", "rollout_cycle/k8/three_calls"):
+            assert run[system]["results"][workload]["completed"] == 40, (system, workload)
     for system in ("lightning_grpc_memory", "lightning_grpc_sqlite"):
         results = run[system]["results"]
-        assert results["rollout_cycle/k8"]["completed"] == 40
         assert results["queries"]["spans_of_rollout"]["spans"] == 200
         assert results["completion_latency/wait"]["samples"] == 3
         batch = results["trainer_batch"]  # get_batch and the per-row span-query loop, on a fresh server
@@ -41,6 +43,7 @@ def test_the_benchmark_harness_runs_every_grpc_peer_and_writes_its_reports(tmp_p
         "span_ingest_w8_vs_ceiling_memory",
         "span_ingest_w8_vs_agl_sqlite",
         "rollout_cycle_k32_vs_agl_memory",
+        "rollout_cycle_k32_vs_ceiling_memory",
         "trainer_batch_speedup",
         "trainer_batch_wire_ratio",
     }
