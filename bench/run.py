@@ -529,11 +529,11 @@ def trainer_loop_markdown(res: dict[str, Any] | None) -> list[str]:
 
 # ------------------------------------------------------------------ LLM proxy overhead
 
-# Per profile: calls per path at 1 agent and at `concurrency` agents, and the time bound of each phase.
-# The engine behind the proxy is always the embedded engine serving a tiny model built for the run.
-#: The proxy's workload by profile. ``calls``: single calls a path at 1 agent, whose p99 is the sample at
-#: int(0.99 n) of the sorted list: the 10th largest of 1,000 (at 200 it was the 2nd largest, and the added p99,
-#: a difference of two such tails, read 1.88 ms and then 5.03 ms in two full runs with no change to the proxy).
+#: The proxy's workload by profile: ``calls`` a path at 1 agent, ``rounds`` of ``concurrent_calls`` a path at
+#: ``concurrency`` agents, and the time bound of each phase; the engine behind the proxy is always the embedded
+#: engine serving a tiny model built for the run. The 1-agent p99 is the sample at int(0.99 n) of the sorted
+#: list: the 10th largest of 1,000 calls (at 200 it was the 2nd largest, and the added p99, a difference of two
+#: such tails, read 1.88 ms and then 5.03 ms in two full runs with no change to the proxy).
 PROXY_SIZES: dict[str, dict[str, Any]] = {
     "full": {
         "engine": "tiny",
