@@ -66,11 +66,11 @@ class RolloutQueue:
             self.queued.append((rollout.rollout_id, spec.input))
         return resp
 
-    async def claim(self, worker_id: str, wait: float, into: Any) -> None:
-        """One queued rollout as claimed by ``worker_id`` into the repeated field ``into``; none, after
-        ``wait`` seconds (at most 0.2), when the queue is empty."""
+    async def claim(self, request: pb.DequeueRolloutsRequest, into: Any) -> None:
+        """One queued rollout as claimed by the request's worker into the repeated field ``into``; none,
+        after its wait_timeout (at most 0.2 s), when the queue is empty."""
         if not self.queued:
-            await asyncio.sleep(min(wait, 0.2))
+            await asyncio.sleep(min(request.wait_timeout.ToTimedelta().total_seconds(), 0.2))
             return
         rollout_id, value = self.queued.popleft()
         rollout = into.add(rollout_id=rollout_id, status=RUNNING, attempt_count=1)
@@ -78,14 +78,14 @@ class RolloutQueue:
         rollout.start_time.GetCurrentTime()
         attempt = rollout.latest_attempt
         attempt.rollout_id, attempt.attempt_id, attempt.sequence_number = rollout_id, f"at-{rollout_id}", 1
-        attempt.status, attempt.worker_id = ATTEMPT_RUNNING, worker_id
+        attempt.status, attempt.worker_id = ATTEMPT_RUNNING, request.worker_id
         attempt.start_time.CopyFrom(rollout.start_time)
 
     async def dequeue(
         self, request: pb.DequeueRolloutsRequest, context: grpc.aio.ServicerContext
     ) -> pb.DequeueRolloutsResponse:
         resp = pb.DequeueRolloutsResponse()
-        await self.claim(request.worker_id, request.wait_timeout.ToTimedelta().total_seconds(), resp.rollouts)
+        await self.claim(request, resp.rollouts)
         return resp
 
     async def complete(
@@ -98,10 +98,7 @@ class RolloutQueue:
         resp.rollout.rollout_id, resp.rollout.status = request.rollout_id, SUCCEEDED
         resp.rollout.end_time.CopyFrom(resp.attempt.end_time)
         if request.HasField("dequeue_next"):
-            nxt = request.dequeue_next
-            await self.claim(
-                nxt.worker_id, nxt.wait_timeout.ToTimedelta().total_seconds(), resp.next_rollouts
-            )
+            await self.claim(request.dequeue_next, resp.next_rollouts)
         return resp
 
 
@@ -113,11 +110,7 @@ async def main(port: int) -> None:
         ]
     )
     handlers = {
-        "AddSpans": grpc.unary_unary_rpc_method_handler(
-            add_spans,
-            request_deserializer=pb.AddSpansRequest.FromString,
-            response_serializer=pb.AddSpansResponse.SerializeToString,
-        ),
+        "AddSpans": unary(add_spans, pb.AddSpansRequest, pb.AddSpansResponse),
         "AddSpansStream": grpc.stream_stream_rpc_method_handler(
             add_spans_stream,
             request_deserializer=pb.AddSpansStreamRequest.FromString,
@@ -137,12 +130,13 @@ async def main(port: int) -> None:
     await server.stop(1)
 
 
-def rollout_handlers(queue: RolloutQueue) -> dict[str, grpc.RpcMethodHandler]:
-    def unary(method: Any, request: Any, response: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(
-            method, request_deserializer=request.FromString, response_serializer=response.SerializeToString
-        )
+def unary(method: Any, request: Any, response: Any) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(
+        method, request_deserializer=request.FromString, response_serializer=response.SerializeToString
+    )
 
+
+def rollout_handlers(queue: RolloutQueue) -> dict[str, grpc.RpcMethodHandler]:
     return {
         "EnqueueRollouts": unary(queue.enqueue, pb.EnqueueRolloutsRequest, pb.EnqueueRolloutsResponse),
         "DequeueRollouts": unary(queue.dequeue, pb.DequeueRolloutsRequest, pb.DequeueRolloutsResponse),
