@@ -181,11 +181,21 @@ def server(
         yield srv
     finally:
         srv.rss.stop()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(name, proc)
+
+
+def stop_server(name: str, proc: subprocess.Popen[str]) -> None:
+    """SIGTERM, then SIGKILL after 30 s; a stop slower than 5 s is printed, as a run that lingers is news."""
+    asked = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        print(f"note: {name} did not stop within 30 s of SIGTERM and was killed", flush=True)
+        return
+    if (took := time.monotonic() - asked) > 5:
+        print(f"note: {name} took {took:.1f} s to stop after SIGTERM", flush=True)
 
 
 def ours(name: str, db: Path | None, *extra: str, postgres: str | None = None) -> Any:
@@ -317,6 +327,7 @@ def drive(
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
+        print(f"note: {script} {' '.join(args)} timed out after {timeout:.0f} s", flush=True)
         return {"error": f"timed out after {timeout:.0f} s", "cmd": " ".join(args)}
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout)[-2000:], "cmd": " ".join(args)}
