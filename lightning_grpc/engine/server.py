@@ -61,6 +61,7 @@ from lightning_grpc.engine import protocol as p
 from lightning_grpc.engine import tools
 from lightning_grpc.engine.errors import EngineError, bad_request
 from lightning_grpc.engine.guided import GrammarError, Grammars
+from lightning_grpc.engine.inbox import LoopInbox
 from lightning_grpc.engine.scheduler import Scheduler, SequenceUpdate, StepEvent, Submission, TokenLogprob
 from lightning_grpc.engine.text import TokenTexts
 from lightning_grpc.processes import freeze_startup_heap
@@ -210,6 +211,7 @@ class EngineServer:
         self._runner: web.AppRunner | None = None
         self._weights_lock = asyncio.Lock()
         self._started_at = int(time.time())
+        self._inbox: LoopInbox | None = None
         self._model_class: Any = None
         #: The key /admin/* requires (set at start; see EngineConfig.admin_key).
         self.admin_key = config.admin_key or config.api_key or ""
@@ -413,6 +415,12 @@ class EngineServer:
             raise EngineError("the engine is not running", status=503)
         return self.scheduler
 
+    def _inbox_of(self, loop: asyncio.AbstractEventLoop) -> LoopInbox:
+        """The one inbox through which the scheduler's events reach this loop's requests."""
+        if self._inbox is None or self._inbox.loop is not loop:
+            self._inbox = LoopInbox(loop)
+        return self._inbox
+
     # ------------------------------------------------------------ middleware and small endpoints
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -592,10 +600,8 @@ class EngineServer:
             queue=asyncio.Queue(),
         )
 
-        def sink(event: StepEvent) -> None:
-            loop.call_soon_threadsafe(job.queue.put_nowait, event)
-
-        job.sub = Submission(job.request_id, prompts, params, parsed.n, sink)
+        inbox = self._inbox_of(loop)
+        job.sub = Submission(job.request_id, prompts, params, parsed.n, lambda e: inbox.put(job.queue, e))
         try:
             scheduler.submit(job.sub)
         except RuntimeError as exc:
