@@ -43,6 +43,8 @@ from typing import Any
 
 import psutil
 
+from lightning_grpc.processes import Background
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PY = sys.executable
@@ -147,41 +149,28 @@ class Server:
     lines: list[str] = field(default_factory=list)
 
 
+#: How long a server may take to print its ready line.
+SERVER_START_SECONDS = 120
+
+
 @contextmanager
-def server(
-    name: str, argv: list[str], ready: re.Pattern[str], env: dict[str, str] | None = None
-) -> Iterator[Server]:
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    lines: list[str] = []
-    port = None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = ready.search(line)
-        if m:
-            port = m.group(1)
-            break
-    if port is None:
-        proc.kill()
-        raise RuntimeError(f"{name} did not start:\n{''.join(lines[-20:])}")
-    threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-    srv = Server(name, proc, f"127.0.0.1:{port}", RssSampler(proc.pid), lines)
+def server(name: str, argv: list[str], ready: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A server process, once it has printed ``ready`` followed by its port (RuntimeError, with its last
+    lines, if it exits or stays silent for SERVER_START_SECONDS); stopped on leaving."""
+    process = Background(name, argv, {**os.environ, **(env or {})}, cwd=ROOT, python=False)
+    try:
+        line = process.wait_for(ready, timeout=SERVER_START_SECONDS)[0]
+    except RuntimeError as exc:
+        process.proc.kill()
+        raise RuntimeError(f"{name} did not start ({exc}):\n{process.tail()}") from None
+    port = re.match(r"\d+", line.split(ready, 1)[1])
+    assert port is not None, line
+    srv = Server(name, process.proc, f"127.0.0.1:{port.group()}", RssSampler(process.proc.pid), process.lines)
     try:
         yield srv
     finally:
         srv.rss.stop()
-        stop_server(name, proc)
+        stop_server(name, process.proc)
 
 
 def stop_server(name: str, proc: subprocess.Popen[str]) -> None:
@@ -201,7 +190,7 @@ def stop_server(name: str, proc: subprocess.Popen[str]) -> None:
 def ours(name: str, db: Path | None, *extra: str, postgres: str | None = None) -> Any:
     where = ["--postgres", postgres] if postgres else ["--db", str(db)] if db else ["--memory"]
     argv = [PY, "-m", "lightning_grpc.cli.main", "serve", "--port", "0", *where, *extra]
-    return server(name, argv, re.compile(r"event=server_started address=127\.0\.0\.1:(\d+)"))
+    return server(name, argv, "event=server_started address=127.0.0.1:")
 
 
 #: SQLite with synchronous=NORMAL (``lightning_grpc_sqlite`` runs the default, FULL).
@@ -300,9 +289,7 @@ class BenchPostgres:
 
 
 def ceiling() -> Any:
-    return server(
-        "ceiling", [PY, str(BENCH / "ceiling_server.py"), "--port", "0"], re.compile(r"READY (\d+)")
-    )
+    return server("ceiling", [PY, str(BENCH / "ceiling_server.py"), "--port", "0"], "READY ")
 
 
 def free_port() -> int:
@@ -316,7 +303,7 @@ def agl() -> Any:
     return server(
         "agentlightning",
         [str(AGL_PY), str(BENCH / "agl_server.py"), "--port", str(free_port())],
-        re.compile(r"READY (\d+)"),
+        "READY ",
     )
 
 
@@ -580,7 +567,10 @@ def model_engine(kind: str, workdir: Path) -> Iterator[str]:
 
     model = workdir / "tiny-model"
     subprocess.run(
-        [PY, "-m", "lightning_grpc.cli.main", "init-model", str(model)], check=True, capture_output=True
+        [PY, "-m", "lightning_grpc.cli.main", "init-model", str(model)],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     with EngineProcess(model, served_model_name="tiny") as engine:
         yield engine.base_url
@@ -592,7 +582,7 @@ def proxy_overhead(profile: str, workdir: Path, log: Any) -> dict[str, Any]:
     log(f"proxy overhead: {cfg['engine']} engine, store and proxy in one process")
     try:
         return _proxy_overhead(cfg, workdir)
-    except (RuntimeError, subprocess.CalledProcessError) as exc:  # an engine or server that did not start
+    except (RuntimeError, subprocess.SubprocessError) as exc:  # an engine or server that did not start
         return {"error": str(exc)[-2000:], "engine": cfg["engine"]}
 
 
@@ -600,9 +590,9 @@ def _proxy_overhead(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
     with model_engine(cfg["engine"], workdir) as base_url:
         argv = [PY, "-m", "lightning_grpc.cli.main", "serve", "--memory", "--port", "0"]
         argv += ["--proxy-backend", base_url, "--proxy-model-name", "tiny", "--proxy-port", "0"]
-        ready = re.compile(r"event=proxy_started http_address=http://127\.0\.0\.1:(\d+)")
+        ready = "event=proxy_started http_address=http://127.0.0.1:"
         with server("lightning_grpc_proxy", argv, ready) as srv:
-            m = re.search(r"event=server_started address=(127\.0\.0\.1:\d+)", "".join(srv.lines))
+            m = re.search(r"event=server_started address=(127\.0\.0\.1:\d+)", "\n".join(srv.lines))
             if m is None:
                 return {"error": "no store address in the serve log", "engine": cfg["engine"]}
             target = ["--direct", base_url, "--proxy", f"http://{srv.address}", "--store", m.group(1)]

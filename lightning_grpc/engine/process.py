@@ -3,9 +3,11 @@
     with EngineProcess(model_dir) as engine:
         client = openai.OpenAI(base_url=engine.base_url, api_key="EMPTY")
 
-The process logs one line per event on stdout; ``start`` reads them until ``event=engine_started``
-(whose ``address=HOST:PORT`` gives the port when ``--port 0``), then a thread keeps draining them into
-``lines``. ``stop`` sends SIGTERM (the engine finishes cleanly) and kills after ``timeout``.
+The process logs one line per event on stdout, which a thread reads into ``lines``
+(:class:`lightning_grpc.processes.Background`); ``start`` waits, within its timeout, for
+``event=engine_started`` (whose ``address=HOST:PORT`` gives the port when ``--port 0``). ``stop`` sends
+SIGTERM (the engine finishes cleanly) and kills after ``timeout``. The engine runs in a process group of
+its own and stops by itself if this process dies.
 """
 
 from __future__ import annotations
@@ -13,13 +15,10 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 from lightning_grpc import environment
-from lightning_grpc.processes import CLI
+from lightning_grpc.processes import CLI, Background, log_field
 
 READY_EVENT = "event=engine_started"
 
@@ -56,7 +55,7 @@ class EngineProcess:
         }
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []
-        self._drainer: threading.Thread | None = None
+        self._process: Background | None = None
 
     @property
     def url(self) -> str:
@@ -67,46 +66,23 @@ class EngineProcess:
         return f"{self.url}/v1"
 
     def start(self, timeout: float = 120.0) -> EngineProcess:
-        self.proc = subprocess.Popen(
-            [sys.executable, *CLI, "engine", *self.args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=self.env,
-        )
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            if READY_EVENT in line:
-                self.port = int(line.split("address=")[1].split()[0].rsplit(":", 1)[1])
-                self._drainer = threading.Thread(target=self._drain, daemon=True)
-                self._drainer.start()
-                return self
-        self.kill()
-        tail = "".join(self.lines[-20:])
-        raise RuntimeError(f"the engine did not start (exit {self.proc.poll()}):\n{tail}")
-
-    def _drain(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
+        """Start the engine and wait, at most ``timeout`` seconds, until it serves; RuntimeError if it
+        exits or stays silent that long (it is killed then), with the last lines it printed."""
+        self._process = Background("engine", [*CLI, "engine", *self.args], self.env)
+        self.proc, self.lines = self._process.proc, self._process.lines
+        try:
+            ready = self._process.wait_for(READY_EVENT, timeout=timeout)[0]
+        except RuntimeError as exc:
+            self.kill()
+            raise RuntimeError(
+                f"the engine did not start ({exc}; exit {self.proc.poll()}):\n{self._process.tail()}"
+            ) from None
+        self.port = int(log_field(ready, "address").rsplit(":", 1)[1])
+        return self
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self._drainer is not None:
-            self._drainer.join(5)
-        return self.proc.returncode
+        """SIGTERM (the engine finishes cleanly), SIGKILL after ``timeout`` seconds; the exit code."""
+        return self._process.stop(timeout) if self._process is not None else None
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
