@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,10 +143,9 @@ class RssSampler:
 @dataclass
 class Server:
     name: str
-    proc: subprocess.Popen[str]
+    process: Background
     address: str
     rss: RssSampler
-    lines: list[str] = field(default_factory=list)
 
 
 #: How long a server may take to print its ready line.
@@ -165,26 +164,22 @@ def server(name: str, argv: list[str], ready: str, env: dict[str, str] | None = 
         raise RuntimeError(f"{name} did not start ({exc}):\n{process.tail()}") from None
     port = re.match(r"\d+", line.split(ready, 1)[1])
     assert port is not None, line
-    srv = Server(name, process.proc, f"127.0.0.1:{port.group()}", RssSampler(process.proc.pid), process.lines)
+    srv = Server(name, process, f"127.0.0.1:{port.group()}", RssSampler(process.proc.pid))
     try:
         yield srv
     finally:
         srv.rss.stop()
-        stop_server(name, process.proc)
+        stop_server(srv)
 
 
-def stop_server(name: str, proc: subprocess.Popen[str]) -> None:
-    """SIGTERM, then SIGKILL after 30 s; a stop slower than 5 s is printed, as a run that lingers is news."""
+def stop_server(srv: Server) -> None:
+    """Background.stop (SIGTERM, SIGKILL after 30 s); a stop slower than 5 s is printed, as a run that
+    lingers is news."""
     asked = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        print(f"note: {name} did not stop within 30 s of SIGTERM and was killed", flush=True)
-        return
-    if (took := time.monotonic() - asked) > 5:
-        print(f"note: {name} took {took:.1f} s to stop after SIGTERM", flush=True)
+    if srv.process.stop(30) == -signal.SIGKILL:
+        print(f"note: {srv.name} did not stop within 30 s of SIGTERM and was killed", flush=True)
+    elif (took := time.monotonic() - asked) > 5:
+        print(f"note: {srv.name} took {took:.1f} s to stop after SIGTERM", flush=True)
 
 
 def ours(name: str, db: Path | None, *extra: str, postgres: str | None = None) -> Any:
@@ -592,7 +587,7 @@ def _proxy_overhead(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
         argv += ["--proxy-backend", base_url, "--proxy-model-name", "tiny", "--proxy-port", "0"]
         ready = "event=proxy_started http_address=http://127.0.0.1:"
         with server("lightning_grpc_proxy", argv, ready) as srv:
-            m = re.search(r"event=server_started address=(127\.0\.0\.1:\d+)", "\n".join(srv.lines))
+            m = re.search(r"event=server_started address=(127\.0\.0\.1:\d+)", "\n".join(srv.process.lines))
             if m is None:
                 return {"error": "no store address in the serve log", "engine": cfg["engine"]}
             target = ["--direct", base_url, "--proxy", f"http://{srv.address}", "--store", m.group(1)]
