@@ -2,7 +2,8 @@
 
 It answers the same methods with the same messages as the Store, so the same driver measures
 both; the gap between them is what storing costs. For the rollout cycle it also hands out queued
-rollouts (EnqueueRollouts, DequeueRollouts, CompleteAttempt with its dequeue_next) from a plain
+rollouts (EnqueueRollouts, DequeueRollouts, CompleteAttempt with its dequeue_next, and the same two
+over RunnerSession) from a plain
 queue of ids, with no states, attempts, timeouts or records: what one call a rollout costs in
 gRPC and Protobuf alone.
 
@@ -101,6 +102,18 @@ class RolloutQueue:
             await self.claim(request.dequeue_next, resp.next_rollouts)
         return resp
 
+    async def session(
+        self, requests: AsyncIterator[pb.RunnerSessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RunnerSessionResponse]:
+        """RunnerSession: each message answered in turn by the call it carries (claims and reports only)."""
+        async for message in requests:
+            answer = pb.RunnerSessionResponse(message_id=message.message_id)
+            if message.HasField("complete_attempt"):
+                answer.complete_attempt.CopyFrom(await self.complete(message.complete_attempt, context))
+            else:
+                await self.claim(message.dequeue_rollouts, answer.dequeue_rollouts.rollouts)
+            yield answer
+
 
 async def main(port: int) -> None:
     server = grpc.aio.server(
@@ -141,6 +154,11 @@ def rollout_handlers(queue: RolloutQueue) -> dict[str, grpc.RpcMethodHandler]:
         "EnqueueRollouts": unary(queue.enqueue, pb.EnqueueRolloutsRequest, pb.EnqueueRolloutsResponse),
         "DequeueRollouts": unary(queue.dequeue, pb.DequeueRolloutsRequest, pb.DequeueRolloutsResponse),
         "CompleteAttempt": unary(queue.complete, pb.CompleteAttemptRequest, pb.CompleteAttemptResponse),
+        "RunnerSession": grpc.stream_stream_rpc_method_handler(
+            queue.session,
+            request_deserializer=pb.RunnerSessionRequest.FromString,
+            response_serializer=pb.RunnerSessionResponse.SerializeToString,
+        ),
     }
 
 

@@ -216,9 +216,9 @@ async def rollout_cycle(args: argparse.Namespace) -> dict[str, Any]:
                 spans.append(span_pb2.Span.FromString(factory.span(counter[0])))
             return spans
 
-        async def claim(k: int) -> Any:
+        async def claim(k: int, via: Any = client) -> Any:
             t0 = time.perf_counter()
-            got = await client.dequeue_rollout(worker_id=f"bench-{k}", wait=0.2)
+            got = await via.dequeue_rollout(worker_id=f"bench-{k}", wait=0.2)
             if got is None:
                 empty_polls[0] += 1
             else:
@@ -257,7 +257,30 @@ async def rollout_cycle(args: argparse.Namespace) -> dict[str, Any]:
                 if got is not None:
                     dequeue_latency.append(time.perf_counter() - t0)
 
-        worker = combined if args.api == "combined" else separate
+        async def session(k: int) -> None:
+            """One message per rollout on the worker's runner session: report success with the spans and
+            claim the next rollout."""
+            async with client.runner_session() as runner:
+                got = None
+                while remaining[0] > 0 and time.perf_counter() < deadline:
+                    if got is None:
+                        got = await claim(k, runner)
+                        continue
+                    t0 = time.perf_counter()
+                    _, _, nxt = await runner.complete_and_dequeue(
+                        got.rollout_id,
+                        got.latest_attempt.attempt_id,
+                        "succeeded",
+                        spans=five_spans(),
+                        worker_id=f"bench-{k}",
+                        wait=0.2 if remaining[0] > 1 else None,
+                    )
+                    remaining[0] -= 1
+                    got = nxt[0] if nxt else None
+                    if got is not None:
+                        dequeue_latency.append(time.perf_counter() - t0)
+
+        worker = {"combined": combined, "separate": separate, "session": session}[args.api]
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(args.workers)))
@@ -271,7 +294,8 @@ async def rollout_cycle(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(elapsed, 3),
         "rollouts_per_s": round(completed / elapsed, 1),
         "api": args.api,
-        "calls_per_rollout": 1 if args.api == "combined" else 3,
+        # round trips a rollout (for the session: messages on the worker's one stream)
+        "calls_per_rollout": {"combined": 1, "separate": 3, "session": 1}[args.api],
         "dequeue_wait_s": 0.2,
         "empty_dequeues": empty_polls[0],
         **{f"dequeue_{k}": v for k, v in latency_ms(dequeue_latency).items()},
@@ -397,7 +421,7 @@ def main() -> None:
     p = sub.add_parser("rollout-cycle")
     p.add_argument("--rollouts", type=int, default=2000)
     p.add_argument("--workers", type=int, default=32)
-    p.add_argument("--api", choices=["combined", "separate"], default="combined")
+    p.add_argument("--api", choices=["combined", "separate", "session"], default="combined")
     p = sub.add_parser("completion-latency")
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--via", choices=["wait", "watch"], default="wait")

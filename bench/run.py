@@ -349,7 +349,9 @@ def run_grpc_store(srv: Server, sizes: Sizes, setup: bool) -> dict[str, Any]:
             out[f"span_ingest/w{w}/{shape}"] = grpc_drive(srv, args + (["--setup"] if setup else []), sizes)
     for k in sizes.cycle_workers:  # the ceiling's are its queue of ids (bench/ceiling_server.py)
         args = ["rollout-cycle", "--rollouts", str(sizes.rollouts), "--workers", str(k)]
-        out[f"rollout_cycle/k{k}"] = grpc_drive(srv, args, sizes)
+        # the runner's way: one message a rollout on each worker's RunnerSession stream
+        out[f"rollout_cycle/k{k}"] = grpc_drive(srv, [*args, "--api", "session"], sizes)
+        out[f"rollout_cycle/k{k}/one_call"] = grpc_drive(srv, [*args, "--api", "combined"], sizes)
         out[f"rollout_cycle/k{k}/three_calls"] = grpc_drive(srv, [*args, "--api", "separate"], sizes)
     if not setup:
         return out
@@ -848,7 +850,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def cycle_ceiling_markdown(report: dict[str, Any]) -> list[str]:
-    """The rollout cycle against the gRPC ceiling: what one unary call a rollout allows at all."""
+    """The rollout cycle against the gRPC ceiling: what one stream message a rollout allows at all."""
     r = report["ratios"]
     if r.get("rollout_cycle_k32_ceiling_vs_agl") is None:
         return []

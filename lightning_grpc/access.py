@@ -252,6 +252,8 @@ _STORE: dict[str, Rule] = {
     "CompleteAttempt": _rule(
         _A, _R, _T, scope=Scope.ATTEMPT, claims_by="dequeue_next", credentials_in="next_rollouts"
     ),
+    # every message is checked by the rule of the RPC it stands for (SESSION_CALLS), and answered as it is
+    "RunnerSession": _rule(_A, _R, _T),
     "AddSpans": _rule(_A, _R, _T, scope=Scope.ATTEMPT),
     "AddSpansStream": _rule(_A, _R, _T, scope=Scope.ATTEMPT),
     "ListSpans": ADMIN_ONLY,
@@ -319,6 +321,14 @@ def rule_for(method: str) -> Rule | None:
     return RULES.get(method)
 
 
+#: The RPCs a RunnerSession message can stand for: the message's ``call`` field -> the RPC's name. Each message
+#: is checked by its RPC's rule, as a call of that RPC would be.
+SESSION_CALLS: dict[str, str] = {
+    "dequeue_rollouts": "DequeueRollouts",
+    "heartbeat_attempt": "HeartbeatAttempt",
+    "complete_attempt": "CompleteAttempt",
+}
+
 #: The rule a request that claims rollouts inside another call (:attr:`Rule.claims_by`) is checked by.
 CLAIM_RULE = RULES[f"/{STORE_SERVICE}/DequeueRollouts"]
 
@@ -349,6 +359,7 @@ __all__ = [
     "OPEN_PREFIXES",
     "PROXY_ROUTES",
     "RULES",
+    "SESSION_CALLS",
     "Credentials",
     "Principal",
     "Role",

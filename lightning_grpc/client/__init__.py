@@ -1,6 +1,8 @@
 """The Python clients of the lightning-grpc services: the public API.
 
 - :class:`StoreClient` / :class:`SyncStoreClient`: rollouts, attempts, spans, resources, workers;
+- :class:`RunnerSession` (``StoreClient.runner_session()``): a runner's claims, heartbeats and reports over one
+  stream;
 - :class:`TrainerClient` / :class:`SyncTrainerClient`: GRPO groups, training batches, steps;
 - :class:`ProxyClient`: the LLM proxy's backends, pause and drain;
 - :class:`ClientConfig`, :class:`RetryConfig`, :class:`TlsConfig`: how to reach a server.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from .config import ClientConfig, RetryConfig, TlsConfig
 from .proxy import ProxyClient
+from .session import RunnerSession
 from .store import AddSpansResult, AttemptHeartbeat, StoreClient, WatchEvent
 from .sync import SyncStoreClient, SyncTrainerClient
 from .trainer import RolloutTripletReport, SubmittedGroup, TrainerClient, TrainingBatch
@@ -26,6 +29,7 @@ __all__ = [
     "ProxyClient",
     "RetryConfig",
     "RolloutTripletReport",
+    "RunnerSession",
     "StoreClient",
     "SubmittedGroup",
     "SyncStoreClient",

@@ -7,6 +7,9 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from lightning_grpc.errors import ERROR_DOMAIN, LightningError, error_from_status
+from lightning_grpc.v1 import store_service_pb2 as pb
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 def from_rpc_error(exc: grpc.RpcError) -> LightningError:
@@ -27,3 +30,8 @@ def from_rpc_error(exc: grpc.RpcError) -> LightningError:
                 if info.domain == ERROR_DOMAIN:
                     reason, metadata = info.reason, dict(info.metadata)
     return error_from_status(code.name, message or "", reason, metadata)
+
+
+def from_message_error(error: pb.BatchError) -> LightningError:
+    """The typed error of one message a stream's server refused (a span batch, a runner session's call)."""
+    return error_from_status(_CODE_NAMES.get(error.code, "UNKNOWN"), error.message, error.reason, {})

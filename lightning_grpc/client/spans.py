@@ -46,13 +46,12 @@ from lightning_grpc.errors import (
     InvalidArgumentError,
     LightningError,
     ResourceExhaustedError,
-    error_from_status,
 )
 from lightning_grpc.v1 import store_service_pb2 as pb
 
 from .channel import Metadata, call_metadata, close_loop, make_channel
 from .config import ClientConfig
-from .errors import from_rpc_error
+from .errors import from_message_error, from_rpc_error
 
 if TYPE_CHECKING:
     from .local import LocalStoreClient
@@ -65,7 +64,6 @@ Ack = tuple[int, LightningError | None]
 _METHOD = pb.DESCRIPTOR.services_by_name["StoreService"].methods_by_name["AddSpansStream"]
 #: ``/lightning.v1.StoreService/AddSpansStream``, from the contract.
 ADD_SPANS_STREAM = f"/{_METHOD.containing_service.full_name}/{_METHOD.name}"
-_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 # ------------------------------------------------------------------ batches and their fate
@@ -121,8 +119,7 @@ def ack_error(ack: pb.AddSpansStreamResponse) -> LightningError | None:
     """The typed error of a refused batch on the stream (None when stored)."""
     if not ack.HasField("error"):
         return None
-    e = ack.error
-    return error_from_status(_CODE_NAMES.get(e.code, "UNKNOWN"), e.message, e.reason, {})
+    return from_message_error(ack.error)
 
 
 def _may_be_one_span(error: LightningError) -> bool:

@@ -11,7 +11,7 @@ import asyncio
 import enum
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -24,9 +24,14 @@ from lightning_grpc.v1 import common_pb2, span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
+from .arguments import enum_member
 from .channel import call_metadata, make_channel
 from .config import ClientConfig, RetryConfig, TlsConfig
 from .errors import from_rpc_error
+from .runner_calls import RunnerCalls
+
+if TYPE_CHECKING:
+    from .session import RunnerSession
 
 T = TypeVar("T")
 
@@ -92,21 +97,6 @@ def _order(descending: bool) -> Any:
     return common_pb2.SORT_ORDER_DESCENDING if descending else common_pb2.SORT_ORDER_ASCENDING
 
 
-def _enum(kind: type[T], value: Any) -> T:
-    """Accept an enum member, its number, or its name in any case ("succeeded", "SUCCEEDED")."""
-    if isinstance(value, kind):
-        return value
-    if isinstance(value, str):
-        try:
-            return kind[value.upper()]  # type: ignore[index,no-any-return]
-        except KeyError:
-            raise InvalidArgumentError(kind.__name__, f"{value!r} is not a {kind.__name__}") from None
-    try:
-        return kind(value)  # type: ignore[call-arg]
-    except ValueError:
-        return value  # type: ignore[no-any-return]  # an unknown number: the server answers INVALID_ARGUMENT
-
-
 def _spec(
     input: Any,
     *,
@@ -120,7 +110,7 @@ def _spec(
     return t.RolloutSpec(
         input=input,
         rollout_id=rollout_id or f"ro-{uuid.uuid4().hex[:16]}",
-        mode=_enum(t.RolloutMode, mode) if mode is not None else t.RolloutMode.UNSPECIFIED,
+        mode=enum_member(t.RolloutMode, mode) if mode is not None else t.RolloutMode.UNSPECIFIED,
         resources_id=resources_id,
         group_id=group_id,
         config=config or t.RolloutConfig(),
@@ -128,7 +118,7 @@ def _spec(
     )
 
 
-class StoreClient:
+class StoreClient(RunnerCalls):
     """Async client of the StoreService. Create it inside the event loop that uses it.
 
     Every method raises a subclass of :class:`lightning_grpc.errors.LightningError` on failure:
@@ -200,6 +190,14 @@ class StoreClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    def runner_session(self) -> RunnerSession:
+        """A :class:`~lightning_grpc.client.session.RunnerSession`: this client's claims, heartbeats and
+        reports (``dequeue_rollouts``, ``heartbeat_attempt``, ``complete_attempt``, ``complete_and_dequeue``)
+        over one stream instead of one call each. Use it as ``async with client.runner_session() as s``."""
+        from .session import RunnerSession
+
+        return RunnerSession(self.config, self._stub, self._metadata, self._call)
 
     @property
     def stub(self) -> pb_grpc.StoreServiceStub:
@@ -362,48 +360,6 @@ class StoreClient:
         resp = await self._call("EnqueueRollouts", request)
         return [convert.rollout_from_pb(r) for r in resp.rollouts]
 
-    async def dequeue_rollouts(
-        self, limit: int = 1, *, worker_id: str = "", wait: float | None = None
-    ) -> list[t.Rollout]:
-        """Claim queued rollouts: each gets a new attempt, RUNNING, owned by ``worker_id``.
-
-        Retried on UNAVAILABLE: a request id is sent along, so a retry returns the same claims.
-
-        Args:
-            limit: The most rollouts to claim.
-            worker_id: The claiming worker.
-            wait: How long to wait for a rollout when the queue is empty, in seconds (None: not at all).
-
-        Returns:
-            The claimed rollouts (empty when none came in time).
-
-        Raises:
-            InvalidArgumentError: A refused ``limit`` or ``wait``.
-        """
-        request = pb.DequeueRolloutsRequest(
-            worker_id=worker_id, max_rollouts=limit, request_id=f"dq-{uuid.uuid4().hex}"
-        )
-        if wait:
-            convert.float_to_duration(wait, request.wait_timeout)
-        resp = await self._call("DequeueRollouts", request, timeout=self.config.timeout + (wait or 0))
-        return [convert.rollout_from_pb(r) for r in resp.rollouts]
-
-    async def dequeue_rollout(self, *, worker_id: str = "", wait: float | None = None) -> t.Rollout | None:
-        """Claim one queued rollout (see :meth:`dequeue_rollouts`). Retried on UNAVAILABLE.
-
-        Args:
-            worker_id: The claiming worker.
-            wait: How long to wait for a rollout when the queue is empty, in seconds (None: not at all).
-
-        Returns:
-            The claimed rollout, or None when none came in time.
-
-        Raises:
-            InvalidArgumentError: A refused ``wait``.
-        """
-        got = await self.dequeue_rollouts(1, worker_id=worker_id, wait=wait)
-        return got[0] if got else None
-
     async def start_attempt(self, rollout_id: str, *, worker_id: str = "") -> t.Rollout:
         """Start a new attempt of a rollout now, outside the queue.
 
@@ -459,7 +415,7 @@ class StoreClient:
             convert.python_to_value(input, request.input, "input")
             request.update_mask.paths.append("input")
         if mode is not None:
-            request.mode = int(_enum(t.RolloutMode, mode))  # type: ignore[assignment]
+            request.mode = int(enum_member(t.RolloutMode, mode))  # type: ignore[assignment]
             request.update_mask.paths.append("mode")
         if resources_id is not None:
             request.resources_id = resources_id
@@ -579,10 +535,10 @@ class StoreClient:
             InvalidArgumentError: A refused filter, order or page token.
         """
         request = pb.ListRolloutsRequest(
-            statuses=[int(_enum(t.RolloutStatus, s)) for s in status_in],  # type: ignore[misc]
+            statuses=[int(enum_member(t.RolloutStatus, s)) for s in status_in],  # type: ignore[misc]
             rollout_ids=list(rollout_ids),
             rollout_id_contains=rollout_id_contains,
-            mode=int(_enum(t.RolloutMode, mode)) if mode is not None else 0,  # type: ignore[arg-type]
+            mode=int(enum_member(t.RolloutMode, mode)) if mode is not None else 0,  # type: ignore[arg-type]
             group_id=group_id,
             order_by=order_by,
             order=_order(descending),
@@ -708,134 +664,6 @@ class StoreClient:
             rollout_id=rollout_id, order=_order(descending), page_size=page_size, page_token=page_token
         )
         return await self._page("ListAttempts", request, "attempts", convert.attempt_from_pb)
-
-    async def heartbeat_attempt(self, rollout_id: str, attempt_id: str) -> AttemptHeartbeat:
-        """Tell the store an attempt is alive; learn whether it should stop. Retried on UNAVAILABLE.
-
-        Args:
-            rollout_id: The rollout.
-            attempt_id: The attempt.
-
-        Returns:
-            The attempt, its rollout's status, and whether it was cancelled or should stop.
-
-        Raises:
-            NotFoundError: No such rollout or attempt.
-        """
-        resp = await self._call(
-            "HeartbeatAttempt", pb.HeartbeatAttemptRequest(rollout_id=rollout_id, attempt_id=attempt_id)
-        )
-        return AttemptHeartbeat(
-            attempt=convert.attempt_from_pb(resp.attempt),
-            rollout_status=t.RolloutStatus(resp.rollout_status),
-            cancelled=resp.cancelled,
-            should_stop=resp.should_stop,
-        )
-
-    async def complete_attempt(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: t.AttemptStatus | str | int,
-        message: str = "",
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        spans: Iterable[t.Span | span_pb2.Span] = (),
-    ) -> tuple[t.Attempt, t.Rollout]:
-        """Report an attempt's outcome; ``spans`` are stored in the same commit.
-
-        Retried on UNAVAILABLE: the report is fenced by the attempt, so a repeat changes nothing.
-
-        Args:
-            rollout_id: The rollout.
-            attempt_id: The attempt.
-            status: The outcome (SUCCEEDED, FAILED, ...: an :class:`AttemptStatus`, its name or number).
-            message: A status message (why it failed).
-            metadata: JSON metadata kept with the attempt.
-            spans: Spans stored with the outcome.
-
-        Returns:
-            (attempt, rollout) as they are after the report.
-
-        Raises:
-            NotFoundError: No such rollout or attempt.
-            InvalidArgumentError: A refused status, metadata or span.
-            FailedPreconditionError: The attempt has already ended with another outcome.
-        """
-        request = self._completion(rollout_id, attempt_id, status, message, metadata, spans)
-        resp = await self._call("CompleteAttempt", request)
-        return convert.attempt_from_pb(resp.attempt), convert.rollout_from_pb(resp.rollout)
-
-    async def complete_and_dequeue(
-        self,
-        rollout_id: str,
-        attempt_id: str,
-        status: t.AttemptStatus | str | int,
-        message: str = "",
-        *,
-        spans: Iterable[t.Span | span_pb2.Span] = (),
-        worker_id: str = "",
-        limit: int = 1,
-        wait: float | None = None,
-    ) -> tuple[t.Attempt, t.Rollout, list[t.Rollout]]:
-        """Report an outcome and claim the worker's next rollouts in one round trip.
-
-        Retried on UNAVAILABLE: a retried call returns the same claims.
-
-        Args:
-            rollout_id: The rollout.
-            attempt_id: The attempt.
-            status: The outcome (an :class:`AttemptStatus`, its name or number).
-            message: A status message (why it failed).
-            spans: Spans stored with the outcome.
-            worker_id: The worker claiming the next rollouts.
-            limit: The most rollouts to claim.
-            wait: How long to wait for a rollout when the queue is empty, in seconds (None: not at all).
-
-        Returns:
-            (attempt, rollout, next rollouts).
-
-        Raises:
-            NotFoundError: No such rollout or attempt.
-            InvalidArgumentError: A refused status, span, ``limit`` or ``wait``.
-            FailedPreconditionError: The attempt has already ended with another outcome.
-        """
-        request = self._completion(rollout_id, attempt_id, status, message, None, spans)
-        request.dequeue_next.worker_id = worker_id
-        request.dequeue_next.max_rollouts = limit
-        request.dequeue_next.request_id = f"dq-{uuid.uuid4().hex}"
-        if wait:
-            convert.float_to_duration(wait, request.dequeue_next.wait_timeout)
-        resp = await self._call("CompleteAttempt", request, timeout=self.config.timeout + (wait or 0))
-        return (
-            convert.attempt_from_pb(resp.attempt),
-            convert.rollout_from_pb(resp.rollout),
-            [convert.rollout_from_pb(r) for r in resp.next_rollouts],
-        )
-
-    @staticmethod
-    def _completion(
-        rollout_id: str,
-        attempt_id: str,
-        status: t.AttemptStatus | str | int,
-        message: str,
-        metadata: Mapping[str, Any] | None,
-        spans: Iterable[t.Span | span_pb2.Span],
-    ) -> pb.CompleteAttemptRequest:
-        request = pb.CompleteAttemptRequest(
-            rollout_id=rollout_id,
-            attempt_id=attempt_id,
-            status=int(_enum(t.AttemptStatus, status)),  # type: ignore[arg-type]
-            message=message,
-        )
-        if metadata is not None:
-            convert.dict_to_struct(metadata, request.metadata, "metadata")
-        for s in spans:
-            if isinstance(s, span_pb2.Span):
-                request.spans.append(s)
-            else:
-                convert.span_to_pb(s, request.spans.add())
-        return request
 
     # ------------------------------------------------------------ spans
     async def add_spans(
@@ -1224,7 +1052,7 @@ class StoreClient:
             InvalidArgumentError: A refused filter, order or ``limit``.
         """
         request = pb.ListWorkersRequest(
-            statuses=[int(_enum(t.WorkerStatus, s)) for s in status_in],  # type: ignore[misc]
+            statuses=[int(enum_member(t.WorkerStatus, s)) for s in status_in],  # type: ignore[misc]
             worker_id_contains=worker_id_contains,
             order_by=order_by,
             order=_order(descending),
@@ -1259,7 +1087,7 @@ class StoreClient:
             InvalidArgumentError: A refused filter, order or page token.
         """
         request = pb.ListWorkersRequest(
-            statuses=[int(_enum(t.WorkerStatus, s)) for s in status_in],  # type: ignore[misc]
+            statuses=[int(enum_member(t.WorkerStatus, s)) for s in status_in],  # type: ignore[misc]
             worker_id_contains=worker_id_contains,
             order_by=order_by,
             order=_order(descending),
@@ -1327,7 +1155,7 @@ class StoreClient:
         """
         token = resume_token
         ids = list(rollout_ids)
-        statuses = [int(_enum(t.RolloutStatus, s)) for s in status_in]
+        statuses = [int(enum_member(t.RolloutStatus, s)) for s in status_in]
         while True:
             request = pb.WatchRolloutsRequest(resume_token=token, rollout_ids=ids, statuses=statuses)  # type: ignore[arg-type]
             if progress_interval:

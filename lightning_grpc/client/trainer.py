@@ -39,10 +39,11 @@ from lightning_grpc.triplets import Drop, Fallback, Triplet
 from lightning_grpc.v1 import trainer_service_pb2 as pb
 from lightning_grpc.v1 import trainer_service_pb2_grpc as pb_grpc
 
+from .arguments import enum_member
 from .channel import call_metadata, make_channel
 from .config import ClientConfig, RetryConfig, TlsConfig
 from .errors import from_rpc_error
-from .store import _DEFAULTS, _enum, client_config
+from .store import _DEFAULTS, client_config
 
 
 @dataclass
@@ -290,7 +291,7 @@ class TrainerClient:
         """
         request = pb.SubmitGroupsRequest(
             group_size=group_size,
-            mode=int(_enum(t.RolloutMode, mode)),  # type: ignore[arg-type]
+            mode=int(enum_member(t.RolloutMode, mode)),  # type: ignore[arg-type]
             resources_id=resources_id,
             step=step,
         )
@@ -389,7 +390,7 @@ class TrainerClient:
         )
         request = pb.GetBatchRequest(
             request_id=request_id or f"b-{uuid.uuid4().hex[:16]}",
-            mode=int(_enum(t.RolloutMode, mode)),  # type: ignore[arg-type]
+            mode=int(enum_member(t.RolloutMode, mode)),  # type: ignore[arg-type]
             min_groups=min_groups,
             max_groups=max_groups,
         )

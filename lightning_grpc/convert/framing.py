@@ -124,12 +124,14 @@ def bytes_views(package: str, *messages: Descriptor, field: str = "spans") -> di
     of the original message, leaving each embedded message serialized. The views live in a private
     descriptor pool (``package``), outside the ``lightning.v1`` contract; each is named after its
     message with ``Raw`` appended. Their other fields are read as the contract declares them: a message
-    field is parsed into a copy of its message held in the same private pool.
+    field is parsed into a copy of its message held in the same private pool, or into its view when its
+    message is one of ``messages`` (a RunnerSessionRequest's CompleteAttemptRequest keeps its spans as bytes).
     """
     file = descriptor_pb2.FileDescriptorProto(
         name=f"{package.replace('.', '/')}.proto", package=package, syntax="proto3"
     )
     pool = descriptor_pool.DescriptorPool()
+    viewed = {f".{m.full_name}": f".{package}.{m.name}Raw" for m in messages}
     for message in messages:
         _add_with_dependencies(pool, message.file)
         if message.file.name not in file.dependency:
@@ -141,6 +143,8 @@ def bytes_views(package: str, *messages: Descriptor, field: str = "spans") -> di
             if f.name == field:
                 f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
                 f.ClearField("type_name")
+            elif f.type_name in viewed:
+                f.type_name = viewed[f.type_name]
     pool.Add(file)
     return {
         f"{m.name}Raw": message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{m.name}Raw"))

@@ -23,6 +23,7 @@ from opentelemetry.trace import Status, StatusCode
 from lightning_grpc import logs, semconv
 from lightning_grpc.access import Role, credential_claims
 from lightning_grpc.client import ClientConfig, StoreClient
+from lightning_grpc.client.session import RunnerSession
 from lightning_grpc.errors import FailedPreconditionError, LightningError, NotFoundError, UnavailableError
 from lightning_grpc.tracing import (
     AttemptContext,
@@ -124,6 +125,7 @@ class Runner:
         self._active: dict[str, asyncio.Task[RolloutOutcome]] = {}
         self._outcomes: asyncio.Queue[RolloutOutcome] | None = None
         self._client: StoreClient | None = None
+        self._session: RunnerSession | None = None
         self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lightning-agent")
         self._resources: dict[str, Mapping[str, Resource]] = {}
         self._processor: LightningSpanProcessor | None = None
@@ -136,6 +138,12 @@ class Runner:
         assert self._client is not None, "the runner is not started"
         return self._client
 
+    @property
+    def session(self) -> RunnerSession:
+        """The stream the runner claims, heartbeats and reports its rollouts over (one, for all of them)."""
+        assert self._session is not None, "the runner is not started"
+        return self._session
+
     async def start(self) -> None:
         if self._started:
             return
@@ -145,6 +153,7 @@ class Runner:
             self._stop.set()
         self._outcomes = asyncio.Queue()
         self._client = StoreClient(self.config)
+        self._session = self._client.runner_session()
         try:
             await self._client.wait_until_reachable(self.connect_timeout)
         except LightningError:
@@ -183,6 +192,8 @@ class Runner:
         await _maybe_await(self.agent.teardown())
         if self._streamer is not None:
             await self._streamer.aflush(timeout=10)
+        if self._session is not None:
+            await self._session.close()
         if self._client is not None:
             await self._client.close()
         await close_shared_http_client()  # the agents' OpenAI connections
@@ -213,7 +224,7 @@ class Runner:
                     )
                     continue
                 try:
-                    claimed = await self.client.dequeue_rollouts(
+                    claimed = await self.session.dequeue_rollouts(
                         free, worker_id=self.worker_id, wait=self.poll_wait
                     )
                 except LightningError as exc:
@@ -366,7 +377,7 @@ class Runner:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             try:
-                beat = await self.client.heartbeat_attempt(ctx.rollout_id, ctx.attempt_id)
+                beat = await self.session.heartbeat_attempt(ctx.rollout_id, ctx.attempt_id)
             except LightningError as exc:
                 log.warning("event=heartbeat_failed attempt_id=%s error=%s", ctx.attempt_id, exc)
                 continue
@@ -388,7 +399,7 @@ class Runner:
             if ctx.stop.is_set():
                 return await self.client.get_rollout(r.rollout_id)
             if error is None:
-                _, final = await self.client.complete_attempt(r.rollout_id, attempt_id, "succeeded")
+                _, final = await self.session.complete_attempt(r.rollout_id, attempt_id, "succeeded")
             else:
                 message = f"{type(error).__name__}: {error}"[:4000]
                 by_agent = not isinstance(error, SpansNotAcknowledged)
@@ -400,7 +411,7 @@ class Runner:
                     message,
                     exc_info=error if by_agent else None,
                 )
-                _, final = await self.client.complete_attempt(
+                _, final = await self.session.complete_attempt(
                     r.rollout_id, attempt_id, "failed", message, {semconv.ATTEMPT_ERROR: error_record(error)}
                 )
             return final
@@ -436,7 +447,7 @@ class Runner:
         try:
             r = await self.client.get_rollout(rollout_id)
             if r.latest_attempt is not None and r.latest_attempt.status.is_active:
-                await self.client.complete_attempt(
+                await self.session.complete_attempt(
                     rollout_id,
                     r.latest_attempt.attempt_id,
                     "failed",

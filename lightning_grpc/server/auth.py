@@ -23,6 +23,7 @@ import grpc
 from lightning_grpc.access import (
     CLAIM_RULE,
     OPEN_PREFIXES,
+    STORE_SERVICE,
     Credentials,
     Principal,
     Role,
@@ -62,6 +63,20 @@ class AccessControl:
         if principal.role == Role.ATTEMPT:  # an ended attempt's credential no longer works, for any call
             self._check_still_running(principal)
         return Call(self, principal, method, rule)
+
+    def stand_in(self, call: Call, method: str) -> Call:
+        """The call of ``method`` (a StoreService RPC's name) that one message of ``call``'s stream stands for
+        (a RunnerSession's), admitted as that call would be; its request is then checked by :meth:`authorize`."""
+        principal = call.principal
+        path = f"/{STORE_SERVICE}/{method}"
+        rule = rule_for(path)
+        if rule is None:
+            raise PermissionDeniedError(f"{method} is not a method this server serves to anyone")
+        if not rule.allows(principal.role):
+            raise refuse_role(principal, f"{method} (in {call.method.rsplit('/', 1)[-1]})")
+        if principal.role == Role.ATTEMPT:  # the attempt may have ended since the stream was opened
+            self._check_still_running(principal)
+        return Call(self, principal, path, rule)
 
     # ------------------------------------------------------------------ whose
     def authorize(self, call: Call, request: Any) -> None:

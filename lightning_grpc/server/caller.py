@@ -22,6 +22,8 @@ class Checks(Protocol):
 
     def check_spans(self, call: Call, attempts: Iterable[tuple[str, str]]) -> None: ...
 
+    def stand_in(self, call: Call, method: str) -> Call: ...
+
 
 @dataclass(frozen=True)
 class Call:
@@ -55,6 +57,24 @@ async def authorized_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         if call is not None:
             call.control.authorize(call, message)
         yield message
+
+
+def authorize_as(method: str, request: Any) -> Call | None:
+    """Check one message of a stream that stands for a call of ``method`` (a RunnerSession's): its role and
+    its request, as a call of ``method`` would be checked. Returns the call to answer it with
+    (:func:`answer_as`); None when authentication is off."""
+    call = CALLER.get()
+    if call is None:
+        return None
+    stand_in = call.control.stand_in(call, method)
+    stand_in.control.authorize(stand_in, request)
+    return stand_in
+
+
+def answer_as(stand_in: Call | None, response: Any) -> None:
+    """Finish the answer to a message checked by :func:`authorize_as` (attempt credentials, secrets)."""
+    if stand_in is not None:
+        stand_in.control.answer(stand_in, response)
 
 
 def answer(response: Any) -> None:

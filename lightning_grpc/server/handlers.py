@@ -33,7 +33,8 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
-def _internal(method: str, exc: BaseException) -> LightningError:
+def internal_error(method: str, exc: BaseException) -> LightningError:
+    """An unexpected exception of ``method``'s handler: logged with its traceback, answered INTERNAL."""
     log.error("event=rpc_internal_error method=%s error=%r", method, exc, exc_info=exc)
     return InternalError(
         "internal error in the store; the server log has the details", reason=Reason.INTERNAL
@@ -150,7 +151,7 @@ def unary(
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            await abort(context, _internal(fn.__name__, exc))
+            await abort(context, internal_error(fn.__name__, exc))
         finally:
             self.in_flight -= 1
         raise AssertionError("unreachable")  # abort raises
@@ -179,7 +180,7 @@ def streaming(
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            await abort(context, _internal(fn.__name__, exc))
+            await abort(context, internal_error(fn.__name__, exc))
         finally:
             self.in_flight -= 1
 

@@ -1,16 +1,18 @@
-"""Answering a client stream in order while its next messages are already taken.
+"""Answering a client stream while its next messages are already taken: in order, or as each is done.
 
 A bidirectional stream whose answers wait for something slow (a span batch for its commit) would otherwise
 take one message, wait, answer and only then read the next: one batch a commit per stream, however many the
 client has sent. :func:`answers_in_order` reads on while earlier answers wait, so a stream's batches share
 commits, and still answers each message, in the order the messages came, once its answer is ready.
+:func:`answers_as_done` handles each message on its own and answers it as soon as it is done, whatever came
+before it: a RunnerSession's claim that waits for a rollout does not hold up the outcomes sent after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 Req = TypeVar("Req")
@@ -86,3 +88,62 @@ async def _settled(item: Resp | asyncio.Future[Resp]) -> Resp:
 def _swallow(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+async def answers_as_done(
+    messages: AsyncIterator[Req],
+    handle: Callable[[Req], Awaitable[Resp]],
+    depth: int,
+) -> AsyncGenerator[Resp, None]:
+    """The answers to ``messages``, one each, as each is done (answers say which message they answer).
+
+    Each message is handled in a task of its own, started as soon as it is read, in the order read; at most
+    ``depth`` are handled at once (the stream is read no further until one is done). When reading raises
+    (the server drains), the messages already read are still answered and the error then ends the stream;
+    when handling raises, the error ends the stream at once and the other handlers are cancelled (their
+    messages stay unanswered: a client sends again what it has not seen answered).
+    """
+    done: asyncio.Queue[tuple[Resp | None, BaseException | None]] = asyncio.Queue()
+    handling: set[asyncio.Task[Resp]] = set()
+    room = asyncio.Semaphore(depth)
+
+    def finished(task: asyncio.Task[Resp]) -> None:
+        handling.discard(task)
+        room.release()
+        if not task.cancelled():
+            error = task.exception()
+            done.put_nowait((None, error) if error is not None else (task.result(), None))
+
+    async def read() -> None:
+        try:
+            async for message in messages:
+                await room.acquire()
+                task = asyncio.ensure_future(handle(message))
+                handling.add(task)
+                task.add_done_callback(finished)
+        except Exception as exc:
+            await _all_done(handling)
+            done.put_nowait((None, exc))
+            return
+        await _all_done(handling)
+        done.put_nowait((None, StopAsyncIteration()))
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while True:
+            answer, error = await done.get()
+            if isinstance(error, StopAsyncIteration):
+                return
+            if error is not None:
+                raise error
+            yield answer  # type: ignore[misc]
+    finally:
+        reader.cancel()
+        for task in list(handling):
+            task.cancel()
+
+
+async def _all_done(tasks: set[asyncio.Task[Any]]) -> None:
+    """Wait until ``tasks`` (a set that shrinks as its tasks end) is empty."""
+    while tasks:
+        await asyncio.wait(list(tasks))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -11,6 +12,7 @@ from typing import Any
 import grpc
 
 from lightning_grpc import convert
+from lightning_grpc.access import SESSION_CALLS
 from lightning_grpc.convert.store import statistics_to_pb
 from lightning_grpc.errors import InvalidArgumentError, LightningError, UnavailableError
 from lightning_grpc.store import (
@@ -25,8 +27,8 @@ from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
 from . import caller, wire
-from .handlers import ServicerState, Undecodable, register_service, streaming, unary
-from .pipelined import answers_in_order
+from .handlers import ServicerState, Undecodable, internal_error, register_service, streaming, unary
+from .pipelined import answers_as_done, answers_in_order
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -58,11 +60,23 @@ def _batch_stored(batch_id: int, result: AddSpansResult) -> pb.AddSpansStreamRes
     )
 
 
-def _batch_refused(batch_id: int, exc: LightningError) -> pb.AddSpansStreamResponse:
+def _error_of(exc: LightningError) -> pb.BatchError:
+    """An error about one message of a stream, as its unary RPC's status would have told it."""
     code = grpc.StatusCode[exc.code_name].value[0]
-    return pb.AddSpansStreamResponse(
-        batch_id=batch_id, error=pb.BatchError(code=code, reason=exc.reason, message=exc.message)
-    )
+    return pb.BatchError(code=code, reason=exc.reason, message=exc.message)
+
+
+def _batch_refused(batch_id: int, exc: LightningError) -> pb.AddSpansStreamResponse:
+    return pb.AddSpansStreamResponse(batch_id=batch_id, error=_error_of(exc))
+
+
+def _session_refused(answer: pb.RunnerSessionResponse, exc: LightningError) -> pb.RunnerSessionResponse:
+    answer.error.CopyFrom(_error_of(exc))
+    return answer
+
+
+#: The messages of one RunnerSession handled at once (a runner's claims, heartbeats and outcomes in flight).
+SESSION_MESSAGES_AT_ONCE = 64
 
 
 async def _once_durable(
@@ -336,6 +350,45 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             return _batch_stored(batch.batch_id, submitted.result)
         return asyncio.ensure_future(_once_durable(batch.batch_id, submitted.result, submitted.durable))
 
+    # ------------------------------------------------------------ a runner's calls over one stream
+    @streaming
+    async def RunnerSession(
+        self, request_iterator: AsyncIterator[Any], context: Ctx
+    ) -> AsyncIterator[pb.RunnerSessionResponse]:
+        """Each request is a wire.RunnerSessionRequestRaw (a completion's spans stay serialized).
+
+        A message is handled by the RPC it stands for, as that RPC's call would be, and answered as soon as
+        it is done; up to :data:`SESSION_MESSAGES_AT_ONCE` of a stream are handled at once."""
+        messages = self.until_drained(request_iterator)
+        step = functools.partial(self._session_step, context=context)
+        async with aclosing(answers_as_done(messages, step, SESSION_MESSAGES_AT_ONCE)) as answers:
+            async for answer in answers:
+                yield answer
+
+    async def _session_step(self, message: Any, context: Ctx) -> pb.RunnerSessionResponse:
+        if isinstance(message, Undecodable):
+            raise message.error()  # no id to answer it with: the stream ends INVALID_ARGUMENT, as AddSpansStream's
+        answer = pb.RunnerSessionResponse(message_id=message.message_id)
+        call = message.WhichOneof("call")
+        if call is None:
+            return _session_refused(
+                answer, InvalidArgumentError("call", f"set one of {', '.join(SESSION_CALLS)}")
+            )
+        method = SESSION_CALLS[call]
+        request = getattr(message, call)
+        try:
+            stand_in = caller.authorize_as(method, request)
+            response = await _SESSION_HANDLERS[method](self, request, context)
+            caller.answer_as(stand_in, response)
+        except UnavailableError:
+            raise  # the server cannot go on: the stream ends, the client resends what it has no answer to
+        except LightningError as exc:
+            return _session_refused(answer, exc)
+        except Exception as exc:  # logged with its traceback; the client gets INTERNAL for this message only
+            return _session_refused(answer, internal_error(method, exc))
+        getattr(answer, call).CopyFrom(response)
+        return answer
+
     @unary
     async def ListSpans(self, request: pb.ListSpansRequest, context: Ctx) -> bytes:  # type: ignore[override]
         """Answers a serialized ListSpansResponse built from the stored span bytes."""
@@ -492,11 +545,18 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
         )
 
 
+#: The handlers a RunnerSession message is answered by: the RPCs' own, without the adapter around a call
+#: (the session checks each message itself, and an error is the message's answer, not the stream's end).
+_SESSION_HANDLERS: dict[str, Callable[[StoreServicer, Any, Ctx], Awaitable[Any]]] = {
+    method: getattr(StoreServicer, method).__wrapped__ for method in SESSION_CALLS.values()
+}
+
 #: Methods whose requests are read through the wire views, and whose answers are already bytes.
 RAW_REQUESTS = {
     "AddSpans": wire.AddSpansRequestRaw,
     "AddSpansStream": wire.AddSpansStreamRequestRaw,
     "CompleteAttempt": wire.CompleteAttemptRequestRaw,
+    "RunnerSession": wire.RunnerSessionRequestRaw,
 }
 RAW_RESPONSES = {"ListSpans", "TailSpans"}
 

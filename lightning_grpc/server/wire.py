@@ -1,11 +1,12 @@
 """Wire-level views of the span messages, for the hot paths of the Store.
 
-A span batch arrives as ``AddSpansRequest`` (or with an attempt's outcome, ``CompleteAttemptRequest``);
-these messages read the same bytes with ``repeated Span spans`` as ``repeated bytes`` (the wire format of
-an embedded message and of bytes is the same), so each span's bytes can be stored exactly as the client
-sent them, without being serialized again. They are copies of the contract's messages (see
-:func:`lightning_grpc.convert.framing.bytes_views`) in a private descriptor pool. Reads are answered
-the same way: stored bytes with the store's ids appended, framed by :mod:`lightning_grpc.convert.framing`.
+A span batch arrives as ``AddSpansRequest`` (or with an attempt's outcome, ``CompleteAttemptRequest``,
+on its own or inside a ``RunnerSessionRequest``); these messages read the same bytes with ``repeated Span
+spans`` as ``repeated bytes`` (the wire format of an embedded message and of bytes is the same), so each
+span's bytes can be stored exactly as the client sent them, without being serialized again. They are
+copies of the contract's messages (see :func:`lightning_grpc.convert.framing.bytes_views`) in a private
+descriptor pool. Reads are answered the same way: stored bytes with the store's ids appended, framed by
+:mod:`lightning_grpc.convert.framing`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ _VIEWS = bytes_views(
     pb.AddSpansRequest.DESCRIPTOR,
     pb.AddSpansStreamRequest.DESCRIPTOR,
     pb.CompleteAttemptRequest.DESCRIPTOR,
+    pb.RunnerSessionRequest.DESCRIPTOR,
 )
 AddSpansRequestRaw: Any = _VIEWS["AddSpansRequestRaw"]
 AddSpansStreamRequestRaw: Any = _VIEWS["AddSpansStreamRequestRaw"]
 CompleteAttemptRequestRaw: Any = _VIEWS["CompleteAttemptRequestRaw"]
+#: Its complete_attempt is a CompleteAttemptRequestRaw.
+RunnerSessionRequestRaw: Any = _VIEWS["RunnerSessionRequestRaw"]
 
 __all__ = [
     "AddSpansRequestRaw",
     "AddSpansStreamRequestRaw",
     "CompleteAttemptRequestRaw",
+    "RunnerSessionRequestRaw",
     "spans_message",
     "stored_span",
 ]

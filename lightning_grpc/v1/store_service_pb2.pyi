@@ -947,8 +947,87 @@ class AddSpansStreamRequest(_message.Message):
 Global___AddSpansStreamRequest: _TypeAlias = AddSpansStreamRequest  # noqa: Y015
 
 @_typing.final
+class RunnerSessionRequest(_message.Message):
+    """One message of a RunnerSession: one request of the RPC it stands for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    DEQUEUE_ROLLOUTS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_ATTEMPT_FIELD_NUMBER: _builtins.int
+    COMPLETE_ATTEMPT_FIELD_NUMBER: _builtins.int
+    message_id: _builtins.int
+    """Chosen by the client, unique among the messages it has not had answered; echoed in the answer."""
+    @_builtins.property
+    def dequeue_rollouts(self) -> Global___DequeueRolloutsRequest: ...
+    @_builtins.property
+    def heartbeat_attempt(self) -> Global___HeartbeatAttemptRequest: ...
+    @_builtins.property
+    def complete_attempt(self) -> Global___CompleteAttemptRequest: ...
+    def __init__(
+        self,
+        *,
+        message_id: _builtins.int = ...,
+        dequeue_rollouts: Global___DequeueRolloutsRequest | None = ...,
+        heartbeat_attempt: Global___HeartbeatAttemptRequest | None = ...,
+        complete_attempt: Global___CompleteAttemptRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "complete_attempt", b"complete_attempt", "dequeue_rollouts", b"dequeue_rollouts", "heartbeat_attempt", b"heartbeat_attempt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "complete_attempt", b"complete_attempt", "dequeue_rollouts", b"dequeue_rollouts", "heartbeat_attempt", b"heartbeat_attempt", "message_id", b"message_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["dequeue_rollouts", "heartbeat_attempt", "complete_attempt"]  # noqa: Y015
+    _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
+
+Global___RunnerSessionRequest: _TypeAlias = RunnerSessionRequest  # noqa: Y015
+
+@_typing.final
+class RunnerSessionResponse(_message.Message):
+    """The answer to one RunnerSessionRequest: the response of the RPC it stood for, or its error."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    DEQUEUE_ROLLOUTS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_ATTEMPT_FIELD_NUMBER: _builtins.int
+    COMPLETE_ATTEMPT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    message_id: _builtins.int
+    @_builtins.property
+    def dequeue_rollouts(self) -> Global___DequeueRolloutsResponse: ...
+    @_builtins.property
+    def heartbeat_attempt(self) -> Global___HeartbeatAttemptResponse: ...
+    @_builtins.property
+    def complete_attempt(self) -> Global___CompleteAttemptResponse: ...
+    @_builtins.property
+    def error(self) -> Global___BatchError:
+        """What the RPC would have failed with (its status code, reason and message)."""
+
+    def __init__(
+        self,
+        *,
+        message_id: _builtins.int = ...,
+        dequeue_rollouts: Global___DequeueRolloutsResponse | None = ...,
+        heartbeat_attempt: Global___HeartbeatAttemptResponse | None = ...,
+        complete_attempt: Global___CompleteAttemptResponse | None = ...,
+        error: Global___BatchError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["complete_attempt", b"complete_attempt", "dequeue_rollouts", b"dequeue_rollouts", "error", b"error", "heartbeat_attempt", b"heartbeat_attempt", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete_attempt", b"complete_attempt", "dequeue_rollouts", b"dequeue_rollouts", "error", b"error", "heartbeat_attempt", b"heartbeat_attempt", "message_id", b"message_id", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["dequeue_rollouts", "heartbeat_attempt", "complete_attempt", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___RunnerSessionResponse: _TypeAlias = RunnerSessionResponse  # noqa: Y015
+
+@_typing.final
 class BatchError(_message.Message):
-    """Why one batch on the span stream was refused (the stream itself goes on)."""
+    """Why one batch on the span stream (or one message of a runner session) was refused; the stream
+    itself goes on.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -956,7 +1035,9 @@ class BatchError(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     code: _builtins.int
-    """A google.rpc.Code value, as the unary AddSpans would have returned."""
+    """A google.rpc.Code value, as the unary RPC (AddSpans, or the one the message stands for) would
+    have returned.
+    """
     reason: _builtins.str
     """The ErrorInfo reason."""
     message: _builtins.str

@@ -114,6 +114,11 @@ class StoreServiceStub:
                 request_serializer=lightning_dot_v1_dot_store__service__pb2.CompleteAttemptRequest.SerializeToString,
                 response_deserializer=lightning_dot_v1_dot_store__service__pb2.CompleteAttemptResponse.FromString,
                 _registered_method=True)
+        self.RunnerSession = channel.stream_stream(
+                '/lightning.v1.StoreService/RunnerSession',
+                request_serializer=lightning_dot_v1_dot_store__service__pb2.RunnerSessionRequest.SerializeToString,
+                response_deserializer=lightning_dot_v1_dot_store__service__pb2.RunnerSessionResponse.FromString,
+                _registered_method=True)
         self.AddSpans = channel.unary_unary(
                 '/lightning.v1.StoreService/AddSpans',
                 request_serializer=lightning_dot_v1_dot_store__service__pb2.AddSpansRequest.SerializeToString,
@@ -322,6 +327,21 @@ class StoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunnerSession(self, request_iterator, context):
+        """A runner's claims, heartbeats and outcomes over one stream instead of one call each. Every
+        message carries one DequeueRollouts, HeartbeatAttempt or CompleteAttempt request and is
+        handled exactly as that RPC would handle it: the same rules (access control included: each
+        message is checked as that RPC's request, and a refused one is answered, not the stream), the
+        same answer (attempt credentials in claimed rollouts). Messages are handled as they arrive and
+        answered as each is done, so a claim that waits for a rollout does not hold up the outcomes sent
+        after it; answers carry their message's id. An error about one message is its answer (error);
+        the stream ends only when the server cannot go on (UNAVAILABLE: the client opens a new stream
+        and sends again the messages it has no answer to; all three are safe to repeat).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AddSpans(self, request, context):
         """Stores a batch of spans. Spans already stored (same span id in the same attempt) are
         skipped, so a batch can be resent safely. Spans of an attempt that already ended are
@@ -512,6 +532,11 @@ def add_StoreServiceServicer_to_server(servicer, server):
                     servicer.CompleteAttempt,
                     request_deserializer=lightning_dot_v1_dot_store__service__pb2.CompleteAttemptRequest.FromString,
                     response_serializer=lightning_dot_v1_dot_store__service__pb2.CompleteAttemptResponse.SerializeToString,
+            ),
+            'RunnerSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.RunnerSession,
+                    request_deserializer=lightning_dot_v1_dot_store__service__pb2.RunnerSessionRequest.FromString,
+                    response_serializer=lightning_dot_v1_dot_store__service__pb2.RunnerSessionResponse.SerializeToString,
             ),
             'AddSpans': grpc.unary_unary_rpc_method_handler(
                     servicer.AddSpans,
@@ -965,6 +990,33 @@ class StoreService:
             '/lightning.v1.StoreService/CompleteAttempt',
             lightning_dot_v1_dot_store__service__pb2.CompleteAttemptRequest.SerializeToString,
             lightning_dot_v1_dot_store__service__pb2.CompleteAttemptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunnerSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/lightning.v1.StoreService/RunnerSession',
+            lightning_dot_v1_dot_store__service__pb2.RunnerSessionRequest.SerializeToString,
+            lightning_dot_v1_dot_store__service__pb2.RunnerSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,6 +92,17 @@ class StoreServiceStub:
     It can also store the attempt's last spans in the same commit, and claim the worker's next
     rollouts in the same call (one round trip per rollout for a busy runner).
     """
+    RunnerSession: _grpc.StreamStreamMultiCallable[_store_service_pb2.RunnerSessionRequest, _store_service_pb2.RunnerSessionResponse]
+    """A runner's claims, heartbeats and outcomes over one stream instead of one call each. Every
+    message carries one DequeueRollouts, HeartbeatAttempt or CompleteAttempt request and is
+    handled exactly as that RPC would handle it: the same rules (access control included: each
+    message is checked as that RPC's request, and a refused one is answered, not the stream), the
+    same answer (attempt credentials in claimed rollouts). Messages are handled as they arrive and
+    answered as each is done, so a claim that waits for a rollout does not hold up the outcomes sent
+    after it; answers carry their message's id. An error about one message is its answer (error);
+    the stream ends only when the server cannot go on (UNAVAILABLE: the client opens a new stream
+    and sends again the messages it has no answer to; all three are safe to repeat).
+    """
     AddSpans: _grpc.UnaryUnaryMultiCallable[_store_service_pb2.AddSpansRequest, _store_service_pb2.AddSpansResponse]
     """Stores a batch of spans. Spans already stored (same span id in the same attempt) are
     skipped, so a batch can be resent safely. Spans of an attempt that already ended are
@@ -197,6 +208,17 @@ class StoreServiceAsyncStub(StoreServiceStub):
     attempt id: only the latest attempt moves its rollout; an ended attempt cannot change.
     It can also store the attempt's last spans in the same commit, and claim the worker's next
     rollouts in the same call (one round trip per rollout for a busy runner).
+    """
+    RunnerSession: _aio.StreamStreamMultiCallable[_store_service_pb2.RunnerSessionRequest, _store_service_pb2.RunnerSessionResponse]  # type: ignore[assignment]
+    """A runner's claims, heartbeats and outcomes over one stream instead of one call each. Every
+    message carries one DequeueRollouts, HeartbeatAttempt or CompleteAttempt request and is
+    handled exactly as that RPC would handle it: the same rules (access control included: each
+    message is checked as that RPC's request, and a refused one is answered, not the stream), the
+    same answer (attempt credentials in claimed rollouts). Messages are handled as they arrive and
+    answered as each is done, so a claim that waits for a rollout does not hold up the outcomes sent
+    after it; answers carry their message's id. An error about one message is its answer (error);
+    the stream ends only when the server cannot go on (UNAVAILABLE: the client opens a new stream
+    and sends again the messages it has no answer to; all three are safe to repeat).
     """
     AddSpans: _aio.UnaryUnaryMultiCallable[_store_service_pb2.AddSpansRequest, _store_service_pb2.AddSpansResponse]  # type: ignore[assignment]
     """Stores a batch of spans. Spans already stored (same span id in the same attempt) are
@@ -378,6 +400,23 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
         attempt id: only the latest attempt moves its rollout; an ended attempt cannot change.
         It can also store the attempt's last spans in the same commit, and claim the worker's next
         rollouts in the same call (one round trip per rollout for a busy runner).
+        """
+
+    @_abc_1.abstractmethod
+    def RunnerSession(
+        self,
+        request_iterator: _MaybeAsyncIterator[_store_service_pb2.RunnerSessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_store_service_pb2.RunnerSessionResponse], _abc.AsyncIterator[_store_service_pb2.RunnerSessionResponse]]:
+        """A runner's claims, heartbeats and outcomes over one stream instead of one call each. Every
+        message carries one DequeueRollouts, HeartbeatAttempt or CompleteAttempt request and is
+        handled exactly as that RPC would handle it: the same rules (access control included: each
+        message is checked as that RPC's request, and a refused one is answered, not the stream), the
+        same answer (attempt credentials in claimed rollouts). Messages are handled as they arrive and
+        answered as each is done, so a claim that waits for a rollout does not hold up the outcomes sent
+        after it; answers carry their message's id. An error about one message is its answer (error);
+        the stream ends only when the server cannot go on (UNAVAILABLE: the client opens a new stream
+        and sends again the messages it has no answer to; all three are safe to repeat).
         """
 
     @_abc_1.abstractmethod

@@ -12,6 +12,7 @@ import pytest
 import lightning_grpc.client as client_package
 from lightning_grpc.client import (
     ProxyClient,
+    RunnerSession,
     StoreClient,
     SyncStoreClient,
     SyncTrainerClient,
@@ -29,6 +30,7 @@ PUBLIC_NAMES = {
     "ProxyClient",
     "RetryConfig",
     "RolloutTripletReport",
+    "RunnerSession",
     "StoreClient",
     "SubmittedGroup",
     "SyncStoreClient",
@@ -39,7 +41,15 @@ PUBLIC_NAMES = {
     "WatchEvent",
 }
 
-CLIENTS = [StoreClient, TrainerClient, ProxyClient, SyncStoreClient, SyncTrainerClient, LocalStoreClient]
+CLIENTS = [
+    StoreClient,
+    TrainerClient,
+    ProxyClient,
+    SyncStoreClient,
+    SyncTrainerClient,
+    LocalStoreClient,
+    RunnerSession,
+]
 
 #: The RPC behind each public method of the async clients (the helpers built on one included).
 RPCS: dict[type, dict[str, str]] = {
@@ -93,6 +103,13 @@ RPCS: dict[type, dict[str, str]] = {
         "status": "GetTrainerStatus",
         "triplets": "GetTriplets",
     },
+    RunnerSession: {  # each a message of RunnerSession standing for this RPC, sent again on a new stream
+        "dequeue_rollouts": "DequeueRollouts",
+        "dequeue_rollout": "DequeueRollouts",
+        "heartbeat_attempt": "HeartbeatAttempt",
+        "complete_attempt": "CompleteAttempt",
+        "complete_and_dequeue": "CompleteAttempt",
+    },
     ProxyClient: {
         "set_backends": "SetBackends",
         "list_backends": "ListBackends",
@@ -105,6 +122,7 @@ RPCS: dict[type, dict[str, str]] = {
 }
 SERVICES = {
     StoreClient: "lightning.v1.StoreService",
+    RunnerSession: "lightning.v1.StoreService",
     TrainerClient: "lightning.v1.TrainerService",
     ProxyClient: "lightning.v1.ProxyService",
 }
@@ -114,10 +132,13 @@ LOCAL_METHODS = {"close", "wait_until_reachable"}
 
 
 def public_methods(cls: type) -> dict[str, Any]:
-    """The public methods and properties a class defines itself (dunders left out)."""
+    """The public methods and properties a class defines itself or takes from a base class of this project
+    (dunders left out)."""
+    own = [k for k in reversed(cls.__mro__) if k.__module__.startswith("lightning_grpc.")]
     return {
         name: member
-        for name, member in vars(cls).items()
+        for klass in own
+        for name, member in vars(klass).items()
         if not name.startswith("_") and (inspect.isfunction(member) or isinstance(member, property))
     }
 

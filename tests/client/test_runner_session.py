@@ -1,0 +1,174 @@
+"""StoreClient.runner_session(): the runner's calls over one stream, shared by many tasks, surviving a
+server restart, and falling back to the unary calls on a server without RunnerSession."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from lightning_grpc.client import ClientConfig, RetryConfig, StoreClient
+from lightning_grpc.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    NotFoundError,
+    UnavailableError,
+)
+from lightning_grpc.server.app import ServerConfig, make_store, start_server
+from lightning_grpc.server.store_servicer import StoreServicer
+from lightning_grpc.types import AttemptStatus, RolloutStatus, Span
+from lightning_grpc.v1 import store_service_pb2 as pb
+
+
+def spans(n: int, tag: str) -> list[Span]:
+    return [Span(trace_id="b" * 32, span_id=f"{i + 1:016x}", name=f"{tag}-{i}") for i in range(n)]
+
+
+async def test_a_rollouts_calls_over_a_session_answer_as_the_clients_own(client: StoreClient) -> None:
+    await client.enqueue_rollouts([{"input": {"n": i}} for i in range(3)])
+    async with client.runner_session() as session:
+        first = await session.dequeue_rollout(worker_id="w1")
+        assert first is not None and first.latest_attempt is not None
+        beat = await session.heartbeat_attempt(first.rollout_id, first.latest_attempt.attempt_id)
+        assert not beat.should_stop and beat.rollout_status in (
+            RolloutStatus.PREPARING,
+            RolloutStatus.RUNNING,
+        )
+        attempt, rollout, nxt = await session.complete_and_dequeue(
+            first.rollout_id,
+            first.latest_attempt.attempt_id,
+            "succeeded",
+            spans=spans(3, "first"),
+            worker_id="w1",
+        )
+        assert attempt.status == AttemptStatus.SUCCEEDED and rollout.status == RolloutStatus.SUCCEEDED
+        [second] = nxt
+        assert second.latest_attempt is not None and second.latest_attempt.worker_id == "w1"
+        _, failed = await session.complete_attempt(
+            second.rollout_id, second.latest_attempt.attempt_id, "failed", "no luck", {"why": "test"}
+        )
+        assert failed.status == RolloutStatus.FAILED
+        with pytest.raises(NotFoundError) as missing:
+            await session.heartbeat_attempt("ro-nobody", "at-nobody")
+        assert "ro-nobody" in str(missing.value)
+        with pytest.raises(FailedPreconditionError):  # ended with another outcome: the same error as unary
+            await session.complete_attempt(first.rollout_id, first.latest_attempt.attempt_id, "failed")
+        rest = await session.dequeue_rollouts(5, worker_id="w1")
+        assert len(rest) == 1  # the session still works after its errors
+    stored = await client.list_spans(first.rollout_id)
+    assert [s.name for s in stored.items] == ["first-0", "first-1", "first-2"]
+    got = await client.get_rollout(second.rollout_id)
+    assert got.latest_attempt is not None and got.latest_attempt.metadata.get("why") == "test"
+
+
+async def test_many_tasks_share_one_session(client: StoreClient) -> None:
+    async with client.runner_session() as session:
+        claims = [
+            asyncio.ensure_future(session.dequeue_rollout(worker_id=f"w{i}", wait=5)) for i in range(20)
+        ]
+        await asyncio.sleep(0.2)
+        await client.enqueue_rollouts([{"input": i} for i in range(20)])
+        got = await asyncio.gather(*claims)
+        assert all(r is not None for r in got)
+        assert len({r.rollout_id for r in got if r is not None}) == 20
+        reports = [
+            session.complete_attempt(r.rollout_id, r.latest_attempt.attempt_id, "succeeded")
+            for r in got
+            if r is not None and r.latest_attempt is not None
+        ]
+        done = await asyncio.gather(*reports)
+    assert {rollout.status for _, rollout in done} == {RolloutStatus.SUCCEEDED}
+
+
+async def test_a_claim_owed_when_the_server_restarts_is_sent_again_and_answered(tmp_path: Path) -> None:
+    config = ServerConfig(port=0, db=tmp_path / "store.db", grace=0.5)
+    first = await start_server(config)
+    port = first.port
+    retry = RetryConfig(max_attempts=30, initial_backoff=0.05, max_backoff=0.2)
+    async with StoreClient(ClientConfig(target=f"127.0.0.1:{port}", retry=retry)) as client:
+        session = client.runner_session()
+        await session.dequeue_rollouts(worker_id="w1")  # the stream is open
+        claim = asyncio.ensure_future(session.dequeue_rollout(worker_id="w1", wait=8))
+        await asyncio.sleep(0.2)
+        await first.stop()  # drains: the stream ends UNAVAILABLE with the claim unanswered
+        second = await start_server(ServerConfig(port=port, db=tmp_path / "store.db", grace=0.5))
+        try:
+            await client.enqueue_rollouts([{"input": "after the restart"}])
+            got = await asyncio.wait_for(claim, 15)
+            assert got is not None and got.input == "after the restart"
+            assert got.latest_attempt is not None and got.latest_attempt.worker_id == "w1"
+        finally:
+            await session.close()
+            await second.stop()
+
+
+async def test_a_server_without_runner_session_is_asked_with_the_unary_calls(tmp_path: Path) -> None:
+    store = await make_store(ServerConfig(port=0)).start()
+    servicer = StoreServicer(store)
+    server = grpc.aio.server()
+    unary = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=getattr(pb, f"{name}Request").FromString,
+            response_serializer=getattr(pb, f"{name}Response").SerializeToString,
+        )
+        for name in ("EnqueueRollouts", "DequeueRollouts", "HeartbeatAttempt", "CompleteAttempt")
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("lightning.v1.StoreService", unary),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with StoreClient(f"127.0.0.1:{port}") as client, client.runner_session() as session:
+            await client.enqueue_rollouts([{"input": 1}, {"input": 2}])
+            got = await session.dequeue_rollout(worker_id="w1")
+            assert got is not None and got.latest_attempt is not None
+            _, rollout, nxt = await session.complete_and_dequeue(
+                got.rollout_id, got.latest_attempt.attempt_id, "succeeded", worker_id="w1"
+            )
+            assert rollout.status == RolloutStatus.SUCCEEDED and len(nxt) == 1
+    finally:
+        await server.stop(0)
+        await store.close()
+
+
+async def silent_session(
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Any]:
+    async for _ in requests:
+        pass  # reads every message and answers none
+    if False:  # pragma: no cover - makes this an async generator
+        yield
+
+
+async def test_an_unanswered_message_raises_deadline_exceeded_and_close_ends_the_rest() -> None:
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(
+        silent_session,
+        request_deserializer=pb.RunnerSessionRequest.FromString,
+        response_serializer=pb.RunnerSessionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("lightning.v1.StoreService", {"RunnerSession": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with StoreClient(f"127.0.0.1:{port}", timeout=0.5) as client:
+            session = client.runner_session()
+            with pytest.raises(DeadlineExceededError) as late:
+                await session.heartbeat_attempt("ro-1", "at-1")
+            assert "HeartbeatAttempt" in str(late.value)
+            owed = asyncio.ensure_future(session.dequeue_rollout(worker_id="w1", wait=30))
+            await asyncio.sleep(0.2)
+            await session.close()
+            with pytest.raises(UnavailableError) as closed:
+                await owed
+            assert closed.value.reason == "SESSION_CLOSED"
+    finally:
+        await server.stop(0)
