@@ -1,4 +1,5 @@
-"""answers_in_order: a client stream read on while earlier answers wait, answered in the order it came."""
+"""answers_in_order and answers_as_done: a client stream read on while earlier answers wait, answered in the
+order it came or as each answer is ready."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from lightning_grpc.server.pipelined import answers_in_order
+from lightning_grpc.server.pipelined import answers_as_done, answers_in_order
 
 
 class Stream:
@@ -131,3 +132,87 @@ async def test_an_answer_that_fails_ends_the_stream_at_its_turn() -> None:
     with pytest.raises(RuntimeError, match="the commit failed"):
         await asyncio.wait_for(collect(answers_in_order(stream.messages(), take, depth=4), got), 1)
     assert got == ["answer 1"]
+
+
+# ---------------------------------------------------------------------- answers_as_done
+
+
+class Handler:
+    """Handles message n by waiting until the test releases n (or fails it)."""
+
+    def __init__(self) -> None:
+        self.release: dict[int, asyncio.Future[None]] = {}
+        self.started: list[int] = []
+
+    async def __call__(self, message: object) -> str:
+        n = int(str(message))
+        self.started.append(n)
+        self.release[n] = asyncio.get_running_loop().create_future()
+        await self.release[n]
+        return f"answer {n}"
+
+
+async def test_each_message_is_answered_as_soon_as_it_is_done_whatever_came_before() -> None:
+    stream, handle = Stream(), Handler()
+    got: list[str] = []
+    task = asyncio.ensure_future(collect(answers_as_done(stream.messages(), handle, depth=8), got))
+    for n in (1, 2, 3):
+        stream.queue.put_nowait(n)
+    await settle()
+    assert handle.started == [1, 2, 3]  # all handled at once
+    handle.release[3].set_result(None)
+    await settle()
+    assert got == ["answer 3"]  # 1 and 2 still wait, and do not hold 3 up
+    handle.release[1].set_result(None)
+    handle.release[2].set_result(None)
+    stream.queue.put_nowait(StopAsyncIteration)
+    await asyncio.wait_for(task, 2)
+    assert got == ["answer 3", "answer 1", "answer 2"]
+
+
+async def test_no_more_than_depth_messages_are_handled_at_once() -> None:
+    stream, handle = Stream(), Handler()
+    got: list[str] = []
+    task = asyncio.ensure_future(collect(answers_as_done(stream.messages(), handle, depth=2), got))
+    for n in (1, 2, 3, 4):
+        stream.queue.put_nowait(n)
+    await settle()
+    assert handle.started == [1, 2]  # 3 waits for room
+    handle.release[2].set_result(None)
+    await settle()
+    assert handle.started == [1, 2, 3] and got == ["answer 2"]
+    for n in (1, 3):
+        handle.release[n].set_result(None)
+    await settle()
+    handle.release[4].set_result(None)
+    stream.queue.put_nowait(StopAsyncIteration)
+    await asyncio.wait_for(task, 2)
+    assert sorted(got) == ["answer 1", "answer 2", "answer 3", "answer 4"]
+
+
+async def test_a_read_error_ends_the_stream_after_the_messages_read_are_answered() -> None:
+    stream, handle = Stream(), Handler()
+    got: list[str] = []
+    task = asyncio.ensure_future(collect(answers_as_done(stream.messages(), handle, depth=8), got))
+    stream.queue.put_nowait(1)
+    stream.queue.put_nowait(ConnectionError("drained"))
+    await settle()
+    assert not task.done()  # message 1 is still owed its answer
+    handle.release[1].set_result(None)
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(task, 2)
+    assert got == ["answer 1"]
+
+
+async def test_a_handler_error_ends_the_stream_at_once_and_cancels_the_others() -> None:
+    stream, handle = Stream(), Handler()
+    got: list[str] = []
+    task = asyncio.ensure_future(collect(answers_as_done(stream.messages(), handle, depth=8), got))
+    stream.queue.put_nowait(1)
+    stream.queue.put_nowait(2)
+    await settle()
+    handle.release[2].set_exception(RuntimeError("store gone"))
+    with pytest.raises(RuntimeError, match="store gone"):
+        await asyncio.wait_for(task, 2)
+    await settle()
+    assert got == [] and handle.release[1].cancelled()
