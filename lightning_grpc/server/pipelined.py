@@ -11,8 +11,9 @@ before it: a RunnerSession's claim that waits for a rollout does not hold up the
 from __future__ import annotations
 
 import asyncio
+import types
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Generator
 from typing import Any, TypeVar
 
 Req = TypeVar("Req")
@@ -92,13 +93,14 @@ def _swallow(task: asyncio.Future[Any]) -> None:
 
 async def answers_as_done(
     messages: AsyncIterator[Req],
-    handle: Callable[[Req], Awaitable[Resp]],
+    handle: Callable[[Req], Coroutine[Any, Any, Resp]],
     depth: int,
 ) -> AsyncGenerator[Resp, None]:
     """The answers to ``messages``, one each, as each is done (answers say which message they answer).
 
-    Each message is handled in a task of its own, started as soon as it is read, in the order read; at most
-    ``depth`` are handled at once (the stream is read no further until one is done). When reading raises
+    Each message is handled as soon as it is read, in the order read: its handler runs at once, and in a
+    task of its own only from its first wait on (one that finishes without waiting, as the memory store's
+    calls do, costs no task and no trip around the event loop); at most ``depth`` are handled at once (the stream is read no further until one is done). When reading raises
     (the server drains), the messages already read are still answered and the error then ends the stream;
     when handling raises, the error ends the stream at once and the other handlers are cancelled (their
     messages stay unanswered: a client sends again what it has not seen answered).
@@ -118,7 +120,18 @@ async def answers_as_done(
         try:
             async for message in messages:
                 await room.acquire()
-                task = asyncio.ensure_future(handle(message))
+                coroutine = handle(message)
+                try:
+                    waiting_on = coroutine.send(None)
+                except StopIteration as answered:
+                    room.release()
+                    done.put_nowait((answered.value, None))
+                    continue
+                except Exception as exc:
+                    room.release()
+                    done.put_nowait((None, exc))
+                    return
+                task = asyncio.ensure_future(_resumed(coroutine, waiting_on))
                 handling.add(task)
                 task.add_done_callback(finished)
         except Exception as exc:
@@ -141,6 +154,26 @@ async def answers_as_done(
         reader.cancel()
         for task in list(handling):
             task.cancel()
+
+
+@types.coroutine
+def _resumed(coroutine: Coroutine[Any, Any, Resp], waiting_on: Any) -> Generator[Any, Any, Resp]:
+    """The rest of ``coroutine``, started elsewhere and now waiting on ``waiting_on`` (what its first
+    ``send`` gave): run as a task, it goes on exactly as if the task had started it."""
+    value = waiting_on
+    while True:
+        try:
+            sent = yield value
+        except BaseException as exc:  # thrown in by the task (a cancellation): passed on
+            try:
+                value = coroutine.throw(exc)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+        else:
+            try:
+                value = coroutine.send(sent)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
 
 
 async def _all_done(tasks: set[asyncio.Task[Any]]) -> None:

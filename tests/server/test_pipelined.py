@@ -216,3 +216,30 @@ async def test_a_handler_error_ends_the_stream_at_once_and_cancels_the_others() 
         await asyncio.wait_for(task, 2)
     await settle()
     assert got == [] and handle.release[1].cancelled()
+
+
+async def test_a_handler_that_never_waits_is_answered_at_once_without_a_task_of_its_own() -> None:
+    stream, waiting = Stream(), Handler()
+    tasks_before = len(asyncio.all_tasks())
+
+    async def handle(message: object) -> str:
+        n = int(str(message))
+        if n == 1:
+            return await waiting(message)
+        if n == 3:
+            raise LookupError("no such thing")
+        return f"at once {n}"
+
+    got: list[str] = []
+    task = asyncio.ensure_future(collect(answers_as_done(stream.messages(), handle, depth=8), got))
+    stream.queue.put_nowait(1)
+    stream.queue.put_nowait(2)
+    await settle()
+    assert got == ["at once 2"]  # answered while 1 waits
+    # the collector, the reader, and message 1's task: message 2 never had one
+    assert len(asyncio.all_tasks()) - tasks_before == 3
+    stream.queue.put_nowait(3)
+    with pytest.raises(LookupError):
+        await asyncio.wait_for(task, 2)
+    await settle()
+    assert waiting.release[1].cancelled()
