@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from lightning_grpc import logs
+from lightning_grpc.access import SESSION_CALLS
 from lightning_grpc.errors import DeadlineExceededError, LightningError, UnavailableError
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
@@ -32,11 +33,7 @@ from .runner_calls import RunnerCalls
 log = logs.get_logger(__name__)
 
 #: The RPCs a session carries: the RPC's name -> the field of RunnerSessionRequest/Response holding it.
-_FIELD_OF = {
-    "DequeueRollouts": "dequeue_rollouts",
-    "HeartbeatAttempt": "heartbeat_attempt",
-    "CompleteAttempt": "complete_attempt",
-}
+_FIELD_OF = {method: name for name, method in SESSION_CALLS.items()}
 
 
 @dataclass

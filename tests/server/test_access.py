@@ -28,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp_ser
 from opentelemetry.proto.trace.v1 import trace_pb2 as otlp_trace
 
 from lightning_grpc import semconv
-from lightning_grpc.access import RULES, Credentials, Role, credential_claims
+from lightning_grpc.access import RULES, SESSION_CALLS, Credentials, Role, credential_claims
 from lightning_grpc.client import ClientConfig, StoreClient
 from lightning_grpc.errors import PermissionDeniedError, UnauthenticatedError
 from lightning_grpc.proxy import ProxyConfig
@@ -166,6 +166,19 @@ def test_the_table_names_every_rpc_of_every_service_and_nothing_else() -> None:
     assert sorted(RULES) == sorted(path for path, _ in METHODS)
     for path, rule in RULES.items():
         assert Role.ADMIN in rule.roles, path  # the admin token can do everything
+
+
+def test_the_session_table_is_the_contracts_oneof_of_calls() -> None:
+    """Each field of RunnerSessionRequest's ``call`` carries the request of the RPC SESSION_CALLS names for it."""
+    pb = store_service_pb2
+    request, response = pb.RunnerSessionRequest.DESCRIPTOR, pb.RunnerSessionResponse.DESCRIPTOR
+    rpcs = {m.name: m for m in pb.DESCRIPTOR.services_by_name["StoreService"].methods}
+    calls = request.oneofs_by_name["call"].fields
+    assert sorted(SESSION_CALLS) == sorted(f.name for f in calls)
+    for field in calls:
+        rpc = rpcs[SESSION_CALLS[field.name]]
+        assert field.message_type is rpc.input_type, field.name
+        assert response.fields_by_name[field.name].message_type is rpc.output_type, field.name
 
 
 @pytest.mark.parametrize(
