@@ -236,15 +236,16 @@ async def rollout_cycle(args: argparse.Namespace) -> dict[str, Any]:
                 await client.complete_attempt(got.rollout_id, aid, "succeeded")
                 remaining[0] -= 1
 
-        async def combined(k: int) -> None:
-            """One call per rollout: report success with the spans and claim the next rollout."""
+        async def one_call(k: int, via: Any = client) -> None:
+            """One call per rollout (one message, ``via`` a runner session): report success with the spans and
+            claim the next rollout."""
             got = None
             while remaining[0] > 0 and time.perf_counter() < deadline:
                 if got is None:
-                    got = await claim(k)
+                    got = await claim(k, via)
                     continue
                 t0 = time.perf_counter()
-                _, _, nxt = await client.complete_and_dequeue(
+                _, _, nxt = await via.complete_and_dequeue(
                     got.rollout_id,
                     got.latest_attempt.attempt_id,
                     "succeeded",
@@ -258,29 +259,11 @@ async def rollout_cycle(args: argparse.Namespace) -> dict[str, Any]:
                     dequeue_latency.append(time.perf_counter() - t0)
 
         async def session(k: int) -> None:
-            """One message per rollout on the worker's runner session: report success with the spans and
-            claim the next rollout."""
+            """:func:`one_call` over the worker's own runner session."""
             async with client.runner_session() as runner:
-                got = None
-                while remaining[0] > 0 and time.perf_counter() < deadline:
-                    if got is None:
-                        got = await claim(k, runner)
-                        continue
-                    t0 = time.perf_counter()
-                    _, _, nxt = await runner.complete_and_dequeue(
-                        got.rollout_id,
-                        got.latest_attempt.attempt_id,
-                        "succeeded",
-                        spans=five_spans(),
-                        worker_id=f"bench-{k}",
-                        wait=0.2 if remaining[0] > 1 else None,
-                    )
-                    remaining[0] -= 1
-                    got = nxt[0] if nxt else None
-                    if got is not None:
-                        dequeue_latency.append(time.perf_counter() - t0)
+                await one_call(k, runner)
 
-        worker = {"combined": combined, "separate": separate, "session": session}[args.api]
+        worker = {"combined": one_call, "separate": separate, "session": session}[args.api]
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(args.workers)))
