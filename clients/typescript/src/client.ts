@@ -14,6 +14,8 @@ import { randomUUID } from "node:crypto";
 import { DeadlineExceededError, fromConnectError, NotFoundError, typed, UnavailableError } from "./errors.js";
 import { FailoverTransport, targetAddresses } from "./failover.js";
 import { RETRYABLE_METHODS } from "./gen/lightning/v1/retryable_methods.js";
+import { RunnerCalls, type RunnerCall, type RunnerCallOptions, type RunnerRequests, type RunnerResponses } from "./runner_calls.js";
+import { RunnerSession } from "./session.js";
 import type { Resource, ResourcesUpdate } from "./gen/lightning/v1/resource_pb.js";
 import {
   AttemptStatus,
@@ -36,7 +38,8 @@ import { SortOrder } from "./gen/lightning/v1/common_pb.js";
 import type { Worker } from "./gen/lightning/v1/worker_pb.js";
 import type { DescService, MessageInitShape } from "@bufbuild/protobuf";
 
-export { AttemptStatus, RolloutMode, RolloutStatus, SortOrder, FilterMatch };
+export { AttemptStatus, RolloutMode, RolloutStatus, SortOrder, FilterMatch, RunnerSession };
+export type { AttemptHeartbeat, DequeueOptions } from "./runner_calls.js";
 export type { Attempt, Rollout, Span, Resource, ResourcesUpdate, Worker };
 
 /** TLS for the channel: PEM-encoded roots, and a client certificate for mutual TLS. */
@@ -208,14 +211,6 @@ export function createTransport(config: string | ClientConfig = DEFAULT_TARGET):
   return c.retry ? retryingTransport(failover, c.retry) : failover;
 }
 
-export interface AttemptHeartbeat {
-  readonly attempt: Attempt;
-  readonly rolloutStatus: RolloutStatus;
-  readonly cancelled: boolean;
-  /** The Store wants the attempt to stop (cancelled, timed out, or it ended). */
-  readonly shouldStop: boolean;
-}
-
 export interface WatchEvent {
   /** The rollout after the change; undefined in a progress message (only with `includeProgress`). */
   readonly rollout: Rollout | undefined;
@@ -284,16 +279,33 @@ export interface SpanFilters {
 }
 
 /** The Store's client (connect-node keeps one HTTP/2 session per transport and closes it when idle). */
-export class StoreClient {
+export class StoreClient extends RunnerCalls {
   readonly config: ReturnType<typeof clientConfig>;
   readonly transport: Transport;
   /** The generated client: every StoreService RPC with its generated types, typed errors included. */
   readonly raw: Client<typeof StoreService>;
+  protected readonly callTimeout: number;
 
   constructor(config: string | ClientConfig = DEFAULT_TARGET) {
+    super();
     this.config = clientConfig(config);
+    this.callTimeout = this.config.timeout;
     this.transport = createTransport(this.config);
     this.raw = typedClient(StoreService, this.transport);
+  }
+
+  /**
+   * The runner's calls (dequeueRollouts, heartbeatAttempt, completeAttempt, completeAndDequeue, ...) as
+   * messages of one RunnerSession stream instead of a unary call each; `close()` it when done.
+   */
+  runnerSession(): RunnerSession {
+    return new RunnerSession(this.raw, this.config);
+  }
+
+  /** Each runner call as its unary RPC. */
+  protected send<K extends RunnerCall>(call: K, request: RunnerRequests[K], options: RunnerCallOptions): Promise<RunnerResponses[K]> {
+    const method = this.raw[call] as (r: RunnerRequests[K], o: RunnerCallOptions) => Promise<RunnerResponses[K]>;
+    return method(request, options);
   }
 
   /** Wait until the server answers, up to `timeout` seconds (any answer counts, a refusal of the credential too). */
@@ -327,29 +339,6 @@ export class StoreClient {
     const { workerId = "", ...spec } = options;
     const res = await this.raw.startRollout({ rollout: specInit({ ...spec, input }), workerId });
     return res.rollout as Rollout;
-  }
-
-  /**
-   * Claim up to `limit` queued rollouts for `workerId`. With `wait` (seconds), the call waits (long poll)
-   * until one is queued or the wait ends, and answers at once when one is. Each rollout comes with its
-   * new attempt, whose `credential` (with auth on) is the key of that attempt's writes and LLM calls.
-   */
-  async dequeueRollouts(limit = 1, options: { workerId?: string; wait?: number; signal?: AbortSignal } = {}): Promise<Rollout[]> {
-    const wait = options.wait ?? 0;
-    const res = await this.raw.dequeueRollouts(
-      {
-        workerId: options.workerId ?? "",
-        maxRollouts: limit,
-        requestId: `dq-${randomUUID()}`,
-        waitTimeout: wait > 0 ? durationFromMs(wait * 1000) : undefined,
-      },
-      { timeoutMs: ms(this.config.timeout + wait), signal: options.signal },
-    );
-    return res.rollouts;
-  }
-
-  async dequeueRollout(options: { workerId?: string; wait?: number; signal?: AbortSignal } = {}): Promise<Rollout | undefined> {
-    return (await this.dequeueRollouts(1, options))[0];
   }
 
   async startAttempt(rolloutId: string, options: { workerId?: string } = {}): Promise<Rollout> {
@@ -404,35 +393,6 @@ export class StoreClient {
   // ---------------------------------------------------------------- attempts
   async getLatestAttempt(rolloutId: string): Promise<Attempt | undefined> {
     return (await this.raw.getLatestAttempt({ rolloutId })).attempt;
-  }
-
-  async heartbeatAttempt(rolloutId: string, attemptId: string): Promise<AttemptHeartbeat> {
-    const res = await this.raw.heartbeatAttempt({ rolloutId, attemptId });
-    return {
-      attempt: res.attempt as Attempt,
-      rolloutStatus: res.rolloutStatus,
-      cancelled: res.cancelled,
-      shouldStop: res.shouldStop,
-    };
-  }
-
-  /** Report an attempt's outcome; `spans` are stored in the same commit. Returns [attempt, rollout]. */
-  async completeAttempt(
-    rolloutId: string,
-    attemptId: string,
-    status: AttemptStatus,
-    message = "",
-    metadata?: JsonObject,
-    options: { spans?: Span[] } = {},
-  ): Promise<[Attempt, Rollout]> {
-    const res = await this.raw.completeAttempt({ rolloutId, attemptId, status, message, metadata, spans: options.spans ?? [] });
-    return [res.attempt as Attempt, res.rollout as Rollout];
-  }
-
-  /** Report an attempt's outcome (SUCCEEDED, or FAILED with a message); returns the attempt. */
-  async updateAttempt(rolloutId: string, attemptId: string, status: AttemptStatus, message = "", metadata?: JsonObject): Promise<Attempt> {
-    const [attempt] = await this.completeAttempt(rolloutId, attemptId, status, message, metadata);
-    return attempt;
   }
 
   // ---------------------------------------------------------------- spans

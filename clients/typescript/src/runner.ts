@@ -15,6 +15,7 @@ import { hostname } from "node:os";
 import { randomUUID } from "node:crypto";
 import { AttemptStatus, DEFAULT_TARGET, RolloutMode, StoreClient, inputOf, ms, sleep, type ClientConfig, type Rollout } from "./client.js";
 import { FailedPreconditionError, LightningError, NotFoundError } from "./errors.js";
+import type { RunnerCalls } from "./runner_calls.js";
 import type { Resource } from "./gen/lightning/v1/resource_pb.js";
 import { log } from "./log.js";
 import { SpanStream, makeSpan, newSpanId, nowNanos, rolloutTraceId } from "./spans.js";
@@ -166,6 +167,8 @@ export function defaultWorkerId(): string {
 /** Runs an agent on rollouts from the Store. */
 export class Runner {
   readonly client: StoreClient;
+  /** Where claims, heartbeats and reports go: a RunnerSession stream while run() runs, the client otherwise (step()). */
+  private calls: RunnerCalls;
   readonly spans: SpanStream;
   readonly workerId: string;
   completed = 0;
@@ -180,6 +183,7 @@ export class Runner {
   /** As the Python runner: `Runner(agent, store, {concurrency, workerId, ...})`. */
   constructor(readonly agent: Agent, store: string | ClientConfig = DEFAULT_TARGET, options: RunnerOptions = {}) {
     this.client = new StoreClient(typeof store === "string" ? { target: store, token: options.token } : store);
+    this.calls = this.client;
     this.spans = new SpanStream(this.client, {
       onGivenUp: (spans, error) => log.warning("spans_given_up", { count: spans.length, reason: error.reason, error: error.message }),
     });
@@ -207,6 +211,8 @@ export class Runner {
     await this.beatWorker();
     const beats = setInterval(() => void this.beatWorker(), ms(this.o.workerHeartbeatInterval));
     log.info("runner_started", { worker_id: this.workerId, concurrency: this.o.concurrency, store: this.client.config.target, language: "typescript" });
+    const session = this.client.runnerSession();
+    this.calls = session;
     try {
       while (!this.stopping.signal.aborted && !this.reachedMax()) {
         let free = this.o.concurrency - this.active.size;
@@ -217,11 +223,9 @@ export class Runner {
         }
         let claimed: Rollout[];
         try {
-          claimed = await this.client.dequeueRollouts(free, {
-            workerId: this.workerId,
-            wait: this.o.pollWait,
-            signal: this.stopping.signal,
-          });
+          // Not aborted by stop(): a claim sent is answered (within pollWait) and what it claimed is run, as
+          // the Python runner does, so that no rollout is claimed by a runner that has gone.
+          claimed = await this.calls.dequeueRollouts(free, { workerId: this.workerId, wait: this.o.pollWait });
         } catch (error) {
           if (this.stopping.signal.aborted) break;
           log.warning("dequeue_failed", { worker_id: this.workerId, error: String((error as Error).message) });
@@ -234,6 +238,8 @@ export class Runner {
     } finally {
       clearInterval(beats);
       await this.spans.close();
+      await session.close();
+      this.calls = this.client;
       log.info("runner_stopped", {
         worker_id: this.workerId,
         completed: this.completed,
@@ -320,7 +326,7 @@ export class Runner {
 
   private async heartbeat(ctx: AttemptContext): Promise<void> {
     try {
-      const beat = await this.client.heartbeatAttempt(ctx.rolloutId, ctx.attemptId);
+      const beat = await this.calls.heartbeatAttempt(ctx.rolloutId, ctx.attemptId);
       if (beat.shouldStop && !ctx.stopped) {
         const why = beat.cancelled ? "cancelled" : `attempt ${AttemptStatus[beat.attempt.status]}`;
         log.info("attempt_stopping", { rollout_id: ctx.rolloutId, attempt_id: ctx.attemptId, why });
@@ -335,12 +341,12 @@ export class Runner {
     try {
       if (ctx.stopped) return;
       if (error === undefined) {
-        await this.client.completeAttempt(ctx.rolloutId, ctx.attemptId, AttemptStatus.SUCCEEDED);
+        await this.calls.completeAttempt(ctx.rolloutId, ctx.attemptId, AttemptStatus.SUCCEEDED);
         return;
       }
       const message = describe(error).slice(0, 4000);
       log.warning("agent_failed", { rollout_id: ctx.rolloutId, attempt_id: ctx.attemptId, error: message });
-      await this.client.completeAttempt(ctx.rolloutId, ctx.attemptId, AttemptStatus.FAILED, message, { error: errorRecord(error) });
+      await this.calls.completeAttempt(ctx.rolloutId, ctx.attemptId, AttemptStatus.FAILED, message, { error: errorRecord(error) });
     } catch (refused) {
       if (refused instanceof FailedPreconditionError || refused instanceof NotFoundError) {
         log.info("report_refused", { rollout_id: ctx.rolloutId, attempt_id: ctx.attemptId, reason: refused.reason });
