@@ -45,11 +45,7 @@ class RunnerCalls:
         Raises:
             InvalidArgumentError: A refused ``limit`` or ``wait``.
         """
-        request = pb.DequeueRolloutsRequest(
-            worker_id=worker_id, max_rollouts=limit, request_id=f"dq-{uuid.uuid4().hex}"
-        )
-        if wait:
-            convert.float_to_duration(wait, request.wait_timeout)
+        request = _claim(pb.DequeueRolloutsRequest(), worker_id, limit, wait)
         resp = await self._call("DequeueRollouts", request, timeout=self.config.timeout + (wait or 0))
         return [convert.rollout_from_pb(r) for r in resp.rollouts]
 
@@ -161,11 +157,7 @@ class RunnerCalls:
             FailedPreconditionError: The attempt has already ended with another outcome.
         """
         request = self._completion(rollout_id, attempt_id, status, message, None, spans)
-        request.dequeue_next.worker_id = worker_id
-        request.dequeue_next.max_rollouts = limit
-        request.dequeue_next.request_id = f"dq-{uuid.uuid4().hex}"
-        if wait:
-            convert.float_to_duration(wait, request.dequeue_next.wait_timeout)
+        _claim(request.dequeue_next, worker_id, limit, wait)
         resp = await self._call("CompleteAttempt", request, timeout=self.config.timeout + (wait or 0))
         return (
             convert.attempt_from_pb(resp.attempt),
@@ -196,6 +188,18 @@ class RunnerCalls:
             else:
                 convert.span_to_pb(s, request.spans.add())
         return request
+
+
+def _claim(
+    request: pb.DequeueRolloutsRequest, worker_id: str, limit: int, wait: float | None
+) -> pb.DequeueRolloutsRequest:
+    """``request`` filled in as a claim of up to ``limit`` rollouts, with a request id of its own."""
+    request.worker_id = worker_id
+    request.max_rollouts = limit
+    request.request_id = f"dq-{uuid.uuid4().hex}"
+    if wait:
+        convert.float_to_duration(wait, request.wait_timeout)
+    return request
 
 
 __all__ = ["RunnerCalls"]

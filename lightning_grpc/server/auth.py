@@ -55,28 +55,27 @@ class AccessControl:
     # ------------------------------------------------------------------ who, and which RPC
     def admit(self, method: str, authorization: str | bytes | None) -> Call:
         principal = self.credentials.principal(authorization)
-        rule = rule_for(method)
-        if rule is None:
-            raise PermissionDeniedError(f"{method} is not a method this server serves to anyone")
-        if not rule.allows(principal.role):
-            raise refuse_role(principal, method.rsplit("/", 1)[-1])
-        if principal.role == Role.ATTEMPT:  # an ended attempt's credential no longer works, for any call
-            self._check_still_running(principal)
-        return Call(self, principal, method, rule)
+        return self._admitted(principal, method, method.rsplit("/", 1)[-1])
 
     def stand_in(self, call: Call, method: str) -> Call:
         """The call of ``method`` (a StoreService RPC's name) that one message of ``call``'s stream stands for
         (a RunnerSession's), admitted as that call would be; its request is then checked by :meth:`authorize`."""
-        principal = call.principal
-        path = f"/{STORE_SERVICE}/{method}"
-        rule = rule_for(path)
+        return self._admitted(
+            call.principal, f"/{STORE_SERVICE}/{method}", f"{method} (in {call.method.rsplit('/', 1)[-1]})"
+        )
+
+    def _admitted(self, principal: Principal, method: str, what: str) -> Call:
+        """``principal``'s call of ``method`` (its path), if its rule allows the role; ``what`` names it in a refusal."""
+        rule = rule_for(method)
         if rule is None:
             raise PermissionDeniedError(f"{method} is not a method this server serves to anyone")
         if not rule.allows(principal.role):
-            raise refuse_role(principal, f"{method} (in {call.method.rsplit('/', 1)[-1]})")
-        if principal.role == Role.ATTEMPT:  # the attempt may have ended since the stream was opened
-            self._check_still_running(principal)
-        return Call(self, principal, path, rule)
+            raise refuse_role(principal, what)
+        if principal.role == Role.ATTEMPT:  # an ended attempt's credential no longer works, for any call
+            self._check_still_running(
+                principal
+            )  # (a stream's message: it may have ended since the stream opened)
+        return Call(self, principal, method, rule)
 
     # ------------------------------------------------------------------ whose
     def authorize(self, call: Call, request: Any) -> None:

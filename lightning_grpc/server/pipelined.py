@@ -100,7 +100,8 @@ async def answers_as_done(
 
     Each message is handled as soon as it is read, in the order read: its handler runs at once, and in a
     task of its own only from its first wait on (one that finishes without waiting, as the memory store's
-    calls do, costs no task and no trip around the event loop); at most ``depth`` are handled at once (the stream is read no further until one is done). When reading raises
+    calls do, costs no task and no trip around the event loop); at most ``depth`` are handled at once (the
+    stream is read no further until one is done). When reading raises
     (the server drains), the messages already read are still answered and the error then ends the stream;
     when handling raises, the error ends the stream at once and the other handlers are cancelled (their
     messages stay unanswered: a client sends again what it has not seen answered).

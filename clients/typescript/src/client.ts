@@ -14,7 +14,7 @@ import { randomUUID } from "node:crypto";
 import { DeadlineExceededError, fromConnectError, NotFoundError, typed, UnavailableError } from "./errors.js";
 import { FailoverTransport, targetAddresses } from "./failover.js";
 import { RETRYABLE_METHODS } from "./gen/lightning/v1/retryable_methods.js";
-import { RunnerCalls, type RunnerCall, type RunnerCallOptions, type RunnerRequests, type RunnerResponses } from "./runner_calls.js";
+import { RunnerCalls, unaryRunnerCall, type RunnerCall, type RunnerCallOptions, type RunnerRequests, type RunnerResponses } from "./runner_calls.js";
 import { RunnerSession } from "./session.js";
 import type { Resource, ResourcesUpdate } from "./gen/lightning/v1/resource_pb.js";
 import {
@@ -304,8 +304,7 @@ export class StoreClient extends RunnerCalls {
 
   /** Each runner call as its unary RPC. */
   protected send<K extends RunnerCall>(call: K, request: RunnerRequests[K], options: RunnerCallOptions): Promise<RunnerResponses[K]> {
-    const method = this.raw[call] as (r: RunnerRequests[K], o: RunnerCallOptions) => Promise<RunnerResponses[K]>;
-    return method(request, options);
+    return unaryRunnerCall(this.raw, call, request, options);
   }
 
   /** Wait until the server answers, up to `timeout` seconds (any answer counts, a refusal of the credential too). */

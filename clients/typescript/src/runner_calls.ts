@@ -4,6 +4,7 @@
  * client's `lightning_grpc.client.runner_calls`.
  */
 import type { JsonObject, MessageInitShape } from "@bufbuild/protobuf";
+import type { Client } from "@connectrpc/connect";
 import { durationFromMs } from "@bufbuild/protobuf/wkt";
 import { randomUUID } from "node:crypto";
 import type { AttemptStatus, Attempt, Rollout, RolloutStatus } from "./gen/lightning/v1/rollout_pb.js";
@@ -15,6 +16,7 @@ import type {
   DequeueRolloutsResponse,
   HeartbeatAttemptRequestSchema,
   HeartbeatAttemptResponse,
+  StoreService,
 } from "./gen/lightning/v1/store_service_pb.js";
 
 /** The requests of the calls a runner makes, by the generated client's method name. */
@@ -54,6 +56,17 @@ export interface AttemptHeartbeat {
   readonly cancelled: boolean;
   /** The Store wants the attempt to stop (cancelled, timed out, or it ended). */
   readonly shouldStop: boolean;
+}
+
+/** One runner call as its unary RPC, on the generated client `raw`. */
+export function unaryRunnerCall<K extends RunnerCall>(
+  raw: Client<typeof StoreService>,
+  call: K,
+  request: RunnerRequests[K],
+  options: RunnerCallOptions,
+): Promise<RunnerResponses[K]> {
+  const method = raw[call] as (r: RunnerRequests[K], o: RunnerCallOptions) => Promise<RunnerResponses[K]>;
+  return method(request, options);
 }
 
 /** The calls a runner makes for each rollout; `send` makes one of them (a unary call, or a session's message). */

@@ -17,7 +17,7 @@ import {
   type RunnerSessionResponse,
   type StoreService,
 } from "./gen/lightning/v1/store_service_pb.js";
-import { RunnerCalls, type RunnerCall, type RunnerCallOptions, type RunnerRequests, type RunnerResponses } from "./runner_calls.js";
+import { RunnerCalls, unaryRunnerCall, type RunnerCall, type RunnerCallOptions, type RunnerRequests, type RunnerResponses } from "./runner_calls.js";
 import type { RetryConfig } from "./client.js";
 
 interface Owed {
@@ -67,7 +67,7 @@ export class RunnerSession extends RunnerCalls {
 
   protected async send<K extends RunnerCall>(call: K, request: RunnerRequests[K], options: RunnerCallOptions): Promise<RunnerResponses[K]> {
     if (this.closed) throw closedError();
-    if (this.unary) return this.unaryCall(call, request, options);
+    if (this.unary) return unaryRunnerCall(this.raw, call, request, options);
     const id = this.nextId++;
     const message = create(RunnerSessionRequestSchema, {
       messageId: id,
@@ -95,7 +95,7 @@ export class RunnerSession extends RunnerCalls {
       clearTimeout(timer);
       if (onAbort) options.signal?.removeEventListener("abort", onAbort);
     }
-    if (got === UNARY) return this.unaryCall(call, request, options);
+    if (got === UNARY) return unaryRunnerCall(this.raw, call, request, options);
     if (got instanceof Error) throw got;
     if (got.result.case === "error") {
       const { code, message: text, reason } = got.result.value;
@@ -103,11 +103,6 @@ export class RunnerSession extends RunnerCalls {
     }
     if (got.result.case !== call) throw new UnavailableError(`the runner session answered ${call} with ${got.result.case ?? "nothing"}`);
     return got.result.value as RunnerResponses[K];
-  }
-
-  private unaryCall<K extends RunnerCall>(call: K, request: RunnerRequests[K], options: RunnerCallOptions): Promise<RunnerResponses[K]> {
-    const method = this.raw[call] as (r: RunnerRequests[K], o: RunnerCallOptions) => Promise<RunnerResponses[K]>;
-    return method(request, options);
   }
 
   private poke(): void {
