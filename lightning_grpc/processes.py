@@ -92,8 +92,13 @@ class Background:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
-        self._reader.join(5)
+        self.read_to_end(5)
         return code
+
+    def read_to_end(self, timeout: float = 1.0) -> None:
+        """Wait up to ``timeout`` seconds until what an exited process printed is all in :attr:`lines` (its
+        last lines may still be in the pipe when its exit is seen)."""
+        self._reader.join(timeout)
 
     def tail(self, lines: int = 20) -> str:
         return "\n".join(f"  | {line}" for line in self.lines[-lines:])
@@ -102,9 +107,6 @@ class Background:
 def log_field(line: str, key: str) -> str:
     """The value of ``key=value`` in a log line."""
     return line.split(f"{key}=", 1)[1].split()[0]
-
-
-#: Set for a child started by :class:`Background`: the pid it stops with (see :func:`stop_with_parent`).
 
 
 def freeze_startup_heap() -> None:

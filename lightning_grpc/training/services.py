@@ -79,6 +79,7 @@ class Services:
 
 def child_died_message(child: Child) -> str:
     process = child.process
+    process.read_to_end()
     return (
         f"the {child.name} process exited (code {process.proc.returncode}); its last lines:\n{process.tail()}"
     )

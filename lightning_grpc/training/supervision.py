@@ -28,6 +28,8 @@ T = TypeVar("T")
 
 #: Longest wait between two restarts of one child.
 MAX_BACKOFF_S = 30.0
+#: A dead child's last lines of output, logged before it is started again.
+LAST_LINES = 5
 #: How often the children are looked at.
 POLL_S = 0.25
 
@@ -63,6 +65,9 @@ class Supervisor:
     async def _recover(self, child: Child) -> None:
         died_at = time.time()
         cause = describe_exit(child.process.proc.returncode)
+        await asyncio.to_thread(child.process.read_to_end)
+        for line in child.process.lines[-LAST_LINES:]:  # what it said last: why, when it died by itself
+            log.warning("event=child_died process=%s output=%s", child.name, line)
         if child.restart is None:
             raise ChildLost(
                 f"{child_died_message(child)}\n(it cannot be restarted alone: run the command again)"

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from bench.chaos_probe import read_store  # the long probe reads a run's store back the same way
 from lightning_grpc.batching.groups import BATCH_KEY
 from lightning_grpc.client import StoreClient
+from lightning_grpc.errors import UnavailableError
 from lightning_grpc.examples.combination_lock import train_tasks, write_jsonl
 from lightning_grpc.training import recovery
 from lightning_grpc.training.plan import PLAN_EPOCH_KEY, PLAN_POSITION_KEY, PLAN_TASK_KEY
@@ -138,26 +139,35 @@ def wait_for_recovery(out: Path, process: str, count: int, timeout: float = 120)
         time.sleep(0.2)
 
 
-def wait_until_holding(run: Run, runner: psutil.Process, timeout: float = 60) -> None:
+def wait_until_holding(run: Run, out: Path, runner: psutil.Process, timeout: float = 60) -> None:
     """Until ``runner`` runs a rollout (the store shows an attempt of its worker id running), so that its
-    kill cuts one short: a kill between two steps' generations would find it idle and prove nothing."""
+    kill cuts one short: a kill between two steps' generations would find it idle and prove nothing.
+
+    A store that does not answer is asked again until ``timeout``: should the server have died once more, the
+    supervisor restarts it on the same port, and the journal's check below says so with its cause."""
     cmdline = run.child("serve").cmdline()
     address = f"127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"  # fixed since the server's restart
+    unanswered: list[str] = []
 
-    async def poll() -> None:
+    async def poll() -> bool:
         deadline = time.monotonic() + timeout
         async with StoreClient(address) as store:
             while time.monotonic() < deadline:
-                running = await store.query_rollouts(status_in=["running"])
-                held = [
-                    r for r in running if r.latest_attempt and f"-{runner.pid}-" in r.latest_attempt.worker_id
-                ]
-                if held:
-                    return
+                try:
+                    running = await store.query_rollouts(status_in=["running"])
+                except UnavailableError as exc:
+                    unanswered.append(f"{time.strftime('%H:%M:%S')} {exc}")
+                    await asyncio.sleep(0.2)
+                    continue
+                if any(r.latest_attempt and f"-{runner.pid}-" in r.latest_attempt.worker_id for r in running):
+                    return True
                 await asyncio.sleep(0.02)
-        raise AssertionError(f"runner {runner.pid} ran no rollout in {timeout:.0f} s")
+        return False
 
-    asyncio.run(poll())
+    assert asyncio.run(poll()), (
+        f"runner {runner.pid} ran no rollout in {timeout:.0f} s; the store at {address} did not answer "
+        f"{len(unanswered)} times {unanswered[-3:]}; journal: {journal(out)}; the run's log:\n{run.text()[-4000:]}"
+    )
 
 
 def kill(process: psutil.Process) -> None:
@@ -181,7 +191,7 @@ def test_a_run_killed_anywhere_ends_as_the_run_never_interrupted(tmp_path: Path,
     wait_for_recovery(out, "engine", 1)
     run.wait_for_step(4)
     runner = run.child("runner")
-    wait_until_holding(run, runner)
+    wait_until_holding(run, out, runner)
     kill(runner)
     wait_for_recovery(out, "runners-0", 1)
     run.wait_for_step(7)
@@ -197,7 +207,7 @@ def test_a_run_killed_anywhere_ends_as_the_run_never_interrupted(tmp_path: Path,
     assert "resuming from" in text and "step-000006" in text
     assert "stopped after 2 steps of this invocation (resumed after step 6)" in text
     kinds = [i["process"] for i in journal(out)]
-    assert kinds == ["server", "engine", "runners-0", "trainer"], journal(out)
+    assert kinds == ["server", "engine", "runners-0", "trainer"], (journal(out), run.text()[-4000:])
     trainer_entry = journal(out)[-1]
     assert "steps 7-7 redone from their stored batches" in trainer_entry["recovery"]
     assert all(i["recovery_seconds"] > 0 for i in journal(out))
