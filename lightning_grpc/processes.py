@@ -80,6 +80,16 @@ class Background:
                     raise RuntimeError(f"{self.name}: {why} before {count} x {marker!r} in its output")
                 self._changed.wait(left)
 
+    def wait_until_serving(self, marker: str, timeout: float) -> list[str]:
+        """:meth:`wait_for` the line that says it serves; when it does not come (the process exited, or
+        ``timeout`` passed), stop the process, so that one stuck starting does not keep the ports its next
+        start needs, and raise RuntimeError with its last lines."""
+        try:
+            return self.wait_for(marker, timeout=timeout)
+        except RuntimeError as exc:
+            self.stop(timeout=5)
+            raise RuntimeError(f"{exc}; its last lines:\n{self.tail()}") from None
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 

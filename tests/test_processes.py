@@ -11,6 +11,7 @@ import time
 
 import psutil
 
+from lightning_grpc.processes import Background
 from tests.engine_fixtures import QUIET_ENV
 
 
@@ -44,3 +45,21 @@ def test_a_child_server_stops_when_its_parent_is_killed() -> None:
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_child_that_does_not_start_serving_in_time_is_stopped_with_its_last_words() -> None:
+    """A start (or a supervisor's restart) that hangs must not keep running: it would hold the ports that the
+    next try needs."""
+    stuck = Background(
+        "server", ["-c", "import time; print('binding 127.0.0.1:4747', flush=True); time.sleep(600)"], {}
+    )
+    started = time.monotonic()
+    try:
+        stuck.wait_until_serving("event=server_started", timeout=1)
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("wait_until_serving returned for a process that never served")
+    assert "server: waited 1s before 1 x 'event=server_started' in its output" in message
+    assert "binding 127.0.0.1:4747" in message
+    assert not stuck.alive() and time.monotonic() - started < 10

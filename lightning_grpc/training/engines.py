@@ -121,7 +121,9 @@ class EmbeddedEngine:
         self.admin_key = secrets.token_urlsafe(32)
         engine = self._process(model_dir, policy_version, port=0)
         self.processes.append(engine)
-        self.url = "http://" + log_field(engine.wait_for("event=engine_started", timeout=120)[0], "address")
+        self.url = "http://" + log_field(
+            engine.wait_until_serving("event=engine_started", timeout=120)[0], "address"
+        )
         return self.url
 
     def restart(self, model_dir: Path, policy_version: int) -> Background:
@@ -129,7 +131,7 @@ class EmbeddedEngine:
         as ``policy_version``. Returns the new process once it serves."""
         port = int(self.url.rsplit(":", 1)[1])
         engine = self._process(model_dir, policy_version, port=port)
-        engine.wait_for("event=engine_started", timeout=120)
+        engine.wait_until_serving("event=engine_started", timeout=120)
         self.processes[:] = [engine]
         return engine
 
@@ -382,7 +384,9 @@ class VllmEngine:
             self._sync_call("POST", "/update_weight_version", {"new_version": str(policy_version)})
             gate = self._gate(port=0)
             self.processes.append(gate)
-            address = log_field(gate.wait_for("event=engine_gate_started", timeout=60)[0], "address")
+            address = log_field(
+                gate.wait_until_serving("event=engine_gate_started", timeout=60)[0], "address"
+            )
         except BaseException:
             self.stop()
             raise
@@ -428,7 +432,7 @@ class VllmEngine:
         """The gate again, on its port (the proxy's upstream address stays the same), to the same socket."""
         gate = self._gate(port=int(self.url.rsplit(":", 1)[1]))
         self._replace(gate)
-        gate.wait_for("event=engine_gate_started", timeout=60)
+        gate.wait_until_serving("event=engine_gate_started", timeout=60)
         return gate
 
     def _server(self, model_dir: Path) -> Background:

@@ -179,8 +179,10 @@ class ServerProcess:
 
     def start(self, policy_version: int, current_version: Callable[[], int] | None = None) -> Child:
         server = Background("server", self.args(policy_version), model_child_env(1))
-        self.address = log_field(server.wait_for("event=server_started", timeout=60)[0], "address")
-        self.proxy_url = log_field(server.wait_for("event=proxy_started", timeout=60)[0], "http_address")
+        self.address = log_field(server.wait_until_serving("event=server_started", timeout=60)[0], "address")
+        self.proxy_url = log_field(
+            server.wait_until_serving("event=proxy_started", timeout=60)[0], "http_address"
+        )
         # the server's dashboard (if it serves one) started before its proxy, so its line is already here
         dashboard = [line for line in server.lines if "event=dashboard_started" in line]
         self.dashboard_url = log_field(dashboard[0], "http_address") if dashboard else ""
@@ -190,7 +192,7 @@ class ServerProcess:
     def _restart(self, policy_version: int) -> Background:
         """The same server again (an in-memory store comes back empty: ``services.store_path`` keeps it)."""
         server = Background("server", self.args(policy_version), model_child_env(1))
-        server.wait_for("event=proxy_started", timeout=120)
+        server.wait_until_serving("event=proxy_started", timeout=120)
         return server
 
 
@@ -249,9 +251,9 @@ def _start_runner_children(
             )
         for child in started:
             try:
-                child.process.wait_for("event=runner_started", timeout=120)
+                child.process.wait_until_serving("event=runner_started", timeout=120)
             except RuntimeError as exc:
-                raise RuntimeError(f"{describe}{exc}; its last lines:\n{child.process.tail()}") from None
+                raise RuntimeError(f"{describe}{exc}") from None
     except BaseException:
         for child in started:
             child.process.stop(timeout=10)
@@ -262,7 +264,7 @@ def _start_runner_children(
 
 def _serving_runner(start: Callable[[], Background]) -> Background:
     runner = start()
-    runner.wait_for("event=runner_started", timeout=120)
+    runner.wait_until_serving("event=runner_started", timeout=120)
     return runner
 
 
