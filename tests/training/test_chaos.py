@@ -118,7 +118,11 @@ class Run:
 
     def child(self, word: str) -> psutil.Process:
         """The trainer's child whose command line holds ``word`` (serve, engine, runner)."""
-        return next(c for c in psutil.Process(self.proc.pid).children() if word in c.cmdline())
+        return self.children(word)[0]
+
+    def children(self, word: str) -> list[psutil.Process]:
+        """The trainer's children whose command line holds ``word`` (the runners: one per process)."""
+        return [c for c in psutil.Process(self.proc.pid).children() if word in c.cmdline()]
 
     def wait(self, timeout: float = 300) -> int:
         return self.proc.wait(timeout)
@@ -130,26 +134,30 @@ def journal(out: Path) -> list[dict[str, Any]]:
 
 
 def wait_for_recovery(out: Path, process: str, count: int, timeout: float = 120) -> dict[str, Any]:
+    """The ``count``-th interruption of a process whose name starts with ``process`` ("runners-": any runner)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = [i for i in journal(out) if i["process"] == process]
+        found = [i for i in journal(out) if i["process"].startswith(process)]
         if len(found) >= count:
             return found[-1]
         assert time.monotonic() < deadline, f"no recovery of {process} in {timeout:.0f} s: {journal(out)}"
         time.sleep(0.2)
 
 
-def wait_until_holding(run: Run, out: Path, runner: psutil.Process, timeout: float = 60) -> None:
-    """Until ``runner`` runs a rollout (the store shows an attempt of its worker id running), so that its
-    kill cuts one short: a kill between two steps' generations would find it idle and prove nothing.
+def wait_until_holding(run: Run, out: Path, timeout: float = 60) -> psutil.Process:
+    """A runner that runs a rollout now (the store shows an attempt of its worker id running), so that its kill
+    cuts one short: a kill between two steps' generations would find it idle and prove nothing. Any of the
+    runners: the first to claim takes a whole step's rollouts (up to its concurrency), so one runner may sit
+    idle for the rest of the run.
 
     A store that does not answer is asked again until ``timeout``: should the server have died once more, the
     supervisor restarts it on the same port, and the journal's check below says so with its cause."""
+    runners = run.children("runner")
     cmdline = run.child("serve").cmdline()
     address = f"127.0.0.1:{cmdline[cmdline.index('--port') + 1]}"  # fixed since the server's restart
     unanswered: list[str] = []
 
-    async def poll() -> bool:
+    async def poll() -> psutil.Process | None:
         deadline = time.monotonic() + timeout
         async with StoreClient(address) as store:
             while time.monotonic() < deadline:
@@ -159,15 +167,20 @@ def wait_until_holding(run: Run, out: Path, runner: psutil.Process, timeout: flo
                     unanswered.append(f"{time.strftime('%H:%M:%S')} {exc}")
                     await asyncio.sleep(0.2)
                     continue
-                if any(r.latest_attempt and f"-{runner.pid}-" in r.latest_attempt.worker_id for r in running):
-                    return True
+                workers = [r.latest_attempt.worker_id for r in running if r.latest_attempt]
+                for runner in runners:
+                    if any(f"-{runner.pid}-" in worker for worker in workers):
+                        return runner
                 await asyncio.sleep(0.02)
-        return False
+        return None
 
-    assert asyncio.run(poll()), (
-        f"runner {runner.pid} ran no rollout in {timeout:.0f} s; the store at {address} did not answer "
-        f"{len(unanswered)} times {unanswered[-3:]}; journal: {journal(out)}; the run's log:\n{run.text()[-4000:]}"
+    holding = asyncio.run(poll())
+    assert holding is not None, (
+        f"no runner of {[r.pid for r in runners]} ran a rollout in {timeout:.0f} s; the store at {address} did "
+        f"not answer {len(unanswered)} times {unanswered[:2]}; journal: {journal(out)}; "
+        f"the run's log:\n{run.text()[-4000:]}"
     )
+    return holding
 
 
 def kill(process: psutil.Process) -> None:
@@ -190,10 +203,8 @@ def test_a_run_killed_anywhere_ends_as_the_run_never_interrupted(tmp_path: Path,
     kill(run.child("engine"))
     wait_for_recovery(out, "engine", 1)
     run.wait_for_step(4)
-    runner = run.child("runner")
-    wait_until_holding(run, out, runner)
-    kill(runner)
-    wait_for_recovery(out, "runners-0", 1)
+    kill(wait_until_holding(run, out))
+    runner_entry = wait_for_recovery(out, "runners-", 1)
     run.wait_for_step(7)
     children = psutil.Process(run.proc.pid).children()
     os.kill(run.proc.pid, signal.SIGKILL)
@@ -207,7 +218,10 @@ def test_a_run_killed_anywhere_ends_as_the_run_never_interrupted(tmp_path: Path,
     assert "resuming from" in text and "step-000006" in text
     assert "stopped after 2 steps of this invocation (resumed after step 6)" in text
     kinds = [i["process"] for i in journal(out)]
-    assert kinds == ["server", "engine", "runners-0", "trainer"], (journal(out), run.text()[-4000:])
+    assert kinds == ["server", "engine", runner_entry["process"], "trainer"], (
+        journal(out),
+        run.text()[-4000:],
+    )
     trainer_entry = journal(out)[-1]
     assert "steps 7-7 redone from their stored batches" in trainer_entry["recovery"]
     assert all(i["recovery_seconds"] > 0 for i in journal(out))
