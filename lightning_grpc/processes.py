@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -18,10 +19,14 @@ from lightning_grpc import environment
 
 #: The arguments that run ``lightning-grpc`` with a Python interpreter (``python -m ...``).
 CLI = ["-m", "lightning_grpc.cli.main"]
+#: The lines of a child's output kept (the latest): a run's runners live for days, and an agent that prints,
+#: or fails, on every rollout would otherwise grow the run's memory by a line each time.
+KEPT_LINES = 10_000
 
 
 class Background:
-    """A child process whose output (stdout and stderr together) a thread reads line by line."""
+    """A child process whose output (stdout and stderr together) a thread reads line by line, keeping the
+    latest :data:`KEPT_LINES` in :attr:`lines`."""
 
     def __init__(
         self,
@@ -50,7 +55,7 @@ class Background:
             )
         except OSError as exc:  # a command that is not there, or not executable
             raise RuntimeError(f"{name}: cannot start {next(iter(args))!r}: {exc.strerror or exc}") from None
-        self.lines: list[str] = []
+        self._lines: deque[str] = deque(maxlen=KEPT_LINES)
         self._closed = False
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
@@ -60,7 +65,7 @@ class Background:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             with self._changed:
-                self.lines.append(line.rstrip("\n"))
+                self._lines.append(line.rstrip("\n"))
                 self._changed.notify_all()
         with self._changed:
             self._closed = True
@@ -71,7 +76,7 @@ class Background:
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
-                found = [line for line in self.lines if marker in line]
+                found = [line for line in self._lines if marker in line]
                 if len(found) >= count:
                     return found[:count]
                 left = deadline - time.monotonic()
@@ -110,8 +115,18 @@ class Background:
         last lines may still be in the pipe when its exit is seen)."""
         self._reader.join(timeout)
 
+    @property
+    def lines(self) -> list[str]:
+        """What it printed so far, the latest :data:`KEPT_LINES` lines (a copy: the reader goes on)."""
+        with self._changed:
+            return list(self._lines)
+
+    def last_lines(self, count: int) -> list[str]:
+        """The last ``count`` lines it printed."""
+        return self.lines[-count:]
+
     def tail(self, lines: int = 20) -> str:
-        return "\n".join(f"  | {line}" for line in self.lines[-lines:])
+        return "\n".join(f"  | {line}" for line in self.last_lines(lines))
 
 
 def log_field(line: str, key: str) -> str:

@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from lightning_grpc.processes import Background
+from lightning_grpc.processes import KEPT_LINES, Background
 from tests.engine_fixtures import QUIET_ENV
 
 
@@ -63,3 +63,25 @@ def test_a_child_that_does_not_start_serving_in_time_is_stopped_with_its_last_wo
     assert "server: waited 1s before 1 x 'event=server_started' in its output" in message
     assert "binding 127.0.0.1:4747" in message
     assert not stuck.alive() and time.monotonic() - started < 10
+
+
+def test_a_child_that_prints_without_end_keeps_only_its_latest_lines() -> None:
+    """A run's runners live for days: an agent that prints on every rollout must not grow the run's memory."""
+    printed = KEPT_LINES + 5_000
+    chatty = Background(
+        "runners-0",
+        [
+            "-c",
+            f"for i in range({printed}): print(f'rollout {{i}} done')\nprint('event=runner_exit', flush=True)",
+        ],
+        {},
+    )
+    try:
+        chatty.wait_for("event=runner_exit", timeout=30)
+        chatty.read_to_end(10)
+        lines = chatty.lines
+        assert len(lines) == KEPT_LINES
+        assert lines[0] == f"rollout {printed - KEPT_LINES + 1} done" and lines[-1] == "event=runner_exit"
+        assert chatty.last_lines(2) == [f"rollout {printed - 1} done", "event=runner_exit"]
+    finally:
+        chatty.stop(timeout=5)

@@ -54,8 +54,12 @@ class EngineProcess:
             environment.ENGINE_ADMIN_KEY: self.admin_key,
         }
         self.proc: subprocess.Popen[str] | None = None
-        self.lines: list[str] = []
         self._process: Background | None = None
+
+    @property
+    def lines(self) -> list[str]:
+        """What the engine printed so far (the latest lines: :attr:`.Background.lines`)."""
+        return self._process.lines if self._process is not None else []
 
     @property
     def url(self) -> str:
@@ -69,7 +73,7 @@ class EngineProcess:
         """Start the engine and wait, at most ``timeout`` seconds, until it serves; RuntimeError if it
         exits or stays silent that long (it is killed then), with the last lines it printed."""
         self._process = Background("engine", [*CLI, "engine", *self.args], self.env)
-        self.proc, self.lines = self._process.proc, self._process.lines
+        self.proc = self._process.proc
         try:
             ready = self._process.wait_for(READY_EVENT, timeout=timeout)[0]
         except RuntimeError as exc:

@@ -66,7 +66,7 @@ class Supervisor:
         died_at = time.time()
         cause = describe_exit(child.process.proc.returncode)
         await asyncio.to_thread(child.process.read_to_end)
-        for line in child.process.lines[-LAST_LINES:]:  # what it said last: why, when it died by itself
+        for line in child.process.last_lines(LAST_LINES):  # what it said last: why, when it died by itself
             log.warning("event=child_died process=%s output=%s", child.name, line)
         if child.restart is None:
             raise ChildLost(
