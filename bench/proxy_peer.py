@@ -14,9 +14,10 @@ Both paths post the same body (max_tokens 8, temperature 0 by default) with one 
 session, the lightest Python client, so the figures show the proxy rather than the client; warm-up
 calls are not counted. Only 127.0.0.1.
 
-
-serves a stand-in engine instead (fixed answer in vLLM's dialect, token ids included; prints
-``READY PORT``): the smoke profile uses it, since the tiny model takes seconds to build and load.
+Each path's ``engine`` figures come from the engine's ``GET /metrics`` (read before and after each of its
+rounds at ``--concurrency`` agents; absent when the engine serves none): its steps and prefill passes a
+call, and the rows a decode pass held. Through the proxy each call spends longer outside the engine, so
+its batch holds fewer rows and the engine does more passes for the same tokens.
 """
 
 from __future__ import annotations
@@ -92,32 +93,85 @@ async def concurrent(path: Path, calls: int, agents: int, deadline: float) -> tu
     return latencies, time.perf_counter() - start
 
 
+#: The engine's counters read from its /metrics (Prometheus names, the model_name label dropped).
+ENGINE_COUNTERS = {
+    "steps": "lightning_engine_steps_total",
+    "prefill_passes": "lightning_engine_prefill_passes_total",
+    "decode_passes": "lightning_engine_decode_passes_total",
+    "generation_tokens": "vllm:generation_tokens_total",
+}
+
+
+async def engine_counters(http: Any, metrics_url: str) -> dict[str, float] | None:
+    """The engine's counters now, or None when it serves no /metrics with them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with http.get(metrics_url) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except Exception:  # an engine without the route, or gone: the figures are left out, not the run
+        return None
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    if not all(name in samples for name in ENGINE_COUNTERS.values()):
+        return None
+    return {key: samples[name] for key, name in ENGINE_COUNTERS.items()}
+
+
+def engine_figures(grew: dict[str, float], calls: int) -> dict[str, float]:
+    """Per call: the engine's steps and prefill passes; per decode pass, the rows it decoded (each call's
+    first token comes from its prefill, the rest from decode passes)."""
+    decoded_rows = grew["generation_tokens"] - calls
+    return {
+        "steps_per_call": round(grew["steps"] / calls, 3),
+        "prefill_passes_per_call": round(grew["prefill_passes"] / calls, 3),
+        "rows_per_decode_pass": round(decoded_rows / grew["decode_passes"], 2)
+        if grew["decode_passes"]
+        else 0.0,
+    }
+
+
 async def concurrent_rounds(
-    paths: tuple[Path, Path], calls: int, agents: int, rounds: int, max_seconds: float
+    paths: tuple[Path, Path], calls: int, agents: int, rounds: int, max_seconds: float, metrics_url: str
 ) -> tuple[dict[str, dict[str, Any]], list[float]]:
     """``rounds`` rounds of each path in turn (direct, proxy, direct, ...), so that a slower spell of the
     host falls on both: each path's figures over all its rounds, and the ratio of calls/s (second path ÷
     first) of each round."""
     latencies: dict[str, list[float]] = {p.name: [] for p in paths}
     seconds = dict.fromkeys(latencies, 0.0)
+    grew: dict[str, dict[str, float] | None] = {
+        name: dict.fromkeys(ENGINE_COUNTERS, 0.0) for name in latencies
+    }
     ratios = []
     for _ in range(rounds):
         rate = {}
         for path in paths:
+            before = await engine_counters(path.http, metrics_url)
             got, elapsed = await concurrent(path, calls, agents, time.monotonic() + max_seconds)
+            after = await engine_counters(path.http, metrics_url)
             latencies[path.name] += got
             seconds[path.name] += elapsed
             rate[path.name] = len(got) / elapsed
+            total = grew[path.name]
+            if before is None or after is None or total is None:
+                grew[path.name] = None
+            else:  # the warm-up calls (one an agent) are in the engine's counts, so in the calls below too
+                for key in total:
+                    total[key] += after[key] - before[key]
         first, second = (rate[p.name] for p in paths)
         ratios.append(second / first if first else 0.0)
-    return {
-        name: {
+    out: dict[str, dict[str, Any]] = {}
+    for name, values in latencies.items():
+        out[name] = {
             **summary(values),
             "calls_per_s": round(len(values) / seconds[name], 1),
             "seconds": round(seconds[name], 2),
         }
-        for name, values in latencies.items()
-    }, ratios
+        total = grew[name]
+        if total is not None and values:
+            out[name]["engine"] = engine_figures(total, len(values) + agents * rounds)
+    return out, ratios
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -154,8 +208,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 if ms is not None:
                     single[path.name].append(ms)
 
+        metrics_url = args.direct.rstrip("/").removesuffix("/v1") + "/metrics"
         many, ratios = await concurrent_rounds(
-            (direct, proxied), args.concurrent_calls, agents, args.rounds, args.max_seconds
+            (direct, proxied), args.concurrent_calls, agents, args.rounds, args.max_seconds, metrics_url
         )
 
         await asyncio.sleep(0.5)  # the proxy writes spans in the background

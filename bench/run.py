@@ -634,7 +634,23 @@ def proxy_markdown(res: dict[str, Any] | None) -> list[str]:
             f"At {res['concurrency']} agents the paths took turns, {len(rounds)} rounds each; calls/s through the "
             f"proxy ÷ direct by round: {', '.join(_fmt(r, 2) for r in rounds)} (the figure is their median).",
         ]
-    return [*lines, ""]
+    return [*lines, *_engine_batch_lines(res, k), ""]
+
+
+def _engine_batch_lines(res: dict[str, Any], k: str) -> list[str]:
+    """How full the engine's batch was on each path (from its /metrics), when it reported it."""
+    direct, proxied = res["direct"][k].get("engine"), res["via_proxy"][k].get("engine")
+    if not (direct and proxied):
+        return []
+    return [
+        "",
+        f"The engine at {res['concurrency']} agents (its /metrics): rows a decode pass "
+        f"{_fmt(direct['rows_per_decode_pass'], 1)} direct, {_fmt(proxied['rows_per_decode_pass'], 1)} through "
+        f"the proxy; steps a call {_fmt(direct['steps_per_call'], 3)} and {_fmt(proxied['steps_per_call'], 3)}, "
+        f"prefill passes a call {_fmt(direct['prefill_passes_per_call'], 3)} and "
+        f"{_fmt(proxied['prefill_passes_per_call'], 3)}. A call spends longer outside the engine through the "
+        "proxy, so fewer calls share each pass and the engine does more passes for the same tokens.",
+    ]
 
 
 # ------------------------------------------------------------------ ratios and reports

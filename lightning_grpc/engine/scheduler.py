@@ -39,13 +39,14 @@ which run on the new weights. Every event carries the policy version that produc
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_grpc._extras import extra_imports
@@ -96,6 +97,41 @@ class StepEvent:
 
 
 Sink = Callable[[StepEvent], None]
+
+#: Upper bounds of the tokens-a-step histogram (vLLM's ``vllm:iteration_tokens_total`` buckets); one more
+#: bucket counts the steps above the last.
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class EngineCounters:
+    """What the scheduler has done since it started; written by its thread only, read as a :meth:`copy`.
+
+    A step is one iteration of the loop: a prefill pass over the sequences it admitted, then one decode
+    pass over the whole batch. Its tokens are the admitted prompts' plus one for each row decoded.
+    """
+
+    steps: int = 0
+    decode_passes: int = 0
+    prefill_passes: int = 0
+    #: Prompt tokens prefilled (a prompt shared by ``n`` choices counts once per choice, as it is sent).
+    prompt_tokens: int = 0
+    #: Tokens sampled, over every choice.
+    generation_tokens: int = 0
+    step_tokens_sum: int = 0
+    #: Steps by their tokens: index i counts the steps with at most ``STEP_TOKEN_BUCKETS[i]`` tokens (and more
+    #: than the bound before); the last index counts the steps above every bound.
+    step_token_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BUCKETS) + 1))
+
+    def count_step(self, prompt_tokens: int, decoded_rows: int) -> None:
+        tokens = prompt_tokens + decoded_rows
+        self.steps += 1
+        self.prompt_tokens += prompt_tokens
+        self.step_tokens_sum += tokens
+        self.step_token_counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, tokens)] += 1
+
+    def copy(self) -> EngineCounters:
+        return replace(self, step_token_counts=list(self.step_token_counts))
 
 
 class Submission:
@@ -242,7 +278,7 @@ class Scheduler:
         self.policy_version = policy_version
         self.pad_id = pad_id
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.steps = 0
+        self._counters = EngineCounters()
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
         self._updates: deque[_WeightUpdate] = deque()
@@ -278,6 +314,10 @@ class Scheduler:
                 "waiting": len(self._waiting),
                 "updates": len(self._updates),
             }
+
+    def counters(self) -> EngineCounters:
+        """A copy of the scheduler's counters (its thread may be adding to them meanwhile)."""
+        return self._counters.copy()
 
     def submit(self, sub: Submission) -> None:
         sequences = [
@@ -318,8 +358,11 @@ class Scheduler:
                 with torch.inference_mode():
                     if newcomers:
                         self._prefill(newcomers)
-                    if self._active:
+                    decoded = len(self._active)
+                    if decoded:
                         self._decode()
+                if newcomers or decoded:
+                    self._counters.count_step(sum(len(seq.prompt) for seq in newcomers), decoded)
             except Exception as exc:
                 log.exception("event=engine_step_failed batch=%d error=%s", len(self._active), exc)
                 self._fail([*self._active, *newcomers], f"generation failed: {exc}")
@@ -378,6 +421,7 @@ class Scheduler:
         unique: dict[tuple[int, ...], int] = {}
         rows = [unique.setdefault(tuple(s.prompt), len(unique)) for s in seqs]
         logits, cache, mask = prefill(self.model, list(unique), self.pad_id)
+        self._counters.prefill_passes += 1
         if rows != list(range(len(unique))):
             index = torch.tensor(rows, dtype=torch.long)
             logits, mask = logits[index], mask[index]
@@ -396,7 +440,7 @@ class Scheduler:
             use_cache=True,
         )
         self._mask = mask
-        self.steps += 1
+        self._counters.decode_passes += 1
         self._pending = self._sample(out.logits[:, -1, :].float(), self._active)
         self._retire()
 
@@ -476,6 +520,7 @@ class Scheduler:
             if k:
                 values, ids = raw.topk(k, dim=-1)
                 top_ids, top_values = ids.tolist(), values.tolist()
+        self._counters.generation_tokens += len(tokens)
         by_request: dict[Submission, list[SequenceUpdate]] = {}
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             logprob = None

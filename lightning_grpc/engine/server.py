@@ -6,6 +6,7 @@ Endpoints::
     POST /v1/completions        prompt: text, token ids, or a list of either
     GET  /v1/models             the served model, with its max_model_len and policy_version
     GET  /health                200 {"status": "ok", ...} while the scheduler runs, else 503
+    GET  /metrics               Prometheus text, under vLLM's metric names (see ``metrics``)
     POST /admin/load_weights    {"path": DIR, "policy_version": N?} -> {"policy_version": N, ...}
 
 vLLM's fields: with ``"return_token_ids": true`` a chat response has a top-level ``prompt_token_ids``
@@ -55,10 +56,11 @@ from lightning_grpc._extras import extra_imports
 
 with extra_imports("engine"):
     from aiohttp import web
+    from prometheus_client import CollectorRegistry
 
 from lightning_grpc import logs
+from lightning_grpc.engine import metrics, tools
 from lightning_grpc.engine import protocol as p
-from lightning_grpc.engine import tools
 from lightning_grpc.engine.errors import EngineError, bad_request
 from lightning_grpc.engine.guided import GrammarError, Grammars
 from lightning_grpc.engine.inbox import LoopInbox
@@ -73,6 +75,8 @@ MIN_LOGPROB = -9999.0
 #: single-threaded, as more threads only add synchronisation (and, on a busy machine, waits).
 SMALL_MODEL_PARAMS = 20_000_000
 MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Paths served without the API key (as vLLM serves them): a liveness probe and a metrics scraper hold none.
+UNGUARDED_PATHS = frozenset({"/health", "/metrics"})
 POLICY_HEADER = "x-policy-version"
 CLIENT_CHECK_SECONDS = 0.5
 CLIENT_GONE = "client disconnected"
@@ -202,6 +206,7 @@ class EngineServer:
         self.host = config.host
         self.port = config.port
         self.scheduler: Scheduler | None = None
+        self._metrics_registry: CollectorRegistry | None = None
         self.tokenizer: Any = None
         self.max_model_len = 0
         self.vocab_size = 0
@@ -329,6 +334,7 @@ class EngineServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/admin/load_weights", self._load_weights)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
         await self._runner.setup()
@@ -460,7 +466,11 @@ class EngineServer:
                 )
             return
         key = self.config.api_key
-        if key and request.path != "/health" and not hmac.compare_digest(supplied, f"Bearer {key}".encode()):
+        if (
+            key
+            and request.path not in UNGUARDED_PATHS
+            and not hmac.compare_digest(supplied, f"Bearer {key}".encode())
+        ):
             raise EngineError("invalid or missing API key", status=401)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -485,6 +495,18 @@ class EngineServer:
         if self.scheduler is not None:
             body.update(self.scheduler.load())
         return web.json_response(body, status=200 if alive else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.scheduler is None:
+            raise EngineError("the engine has not started", status=503)
+        if self._metrics_registry is None:
+            scheduler = self.scheduler
+            collector = metrics.EngineCollector(
+                self.model_name, scheduler.counters, scheduler.load, lambda: self.policy_version
+            )
+            self._metrics_registry = metrics.registry(collector)
+        body = metrics.exposition(self._metrics_registry)
+        return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def _load_weights(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

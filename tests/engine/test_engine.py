@@ -20,6 +20,7 @@ import aiohttp
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpc.engine import EngineProcess, EngineServer, start_engine
@@ -386,6 +387,64 @@ async def test_models_and_health(engine: EngineServer) -> None:
     assert health["status"] == "ok"
 
 
+async def scrape(engine: EngineServer, key: str | None = None) -> tuple[int, str, dict[str, float]]:
+    """GET /metrics: the status, the content type and each sample by name (the model_name label dropped)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(engine.url + "/metrics", headers=headers) as resp,
+    ):
+        text, status, kind = await resp.text(), resp.status, resp.headers.get("Content-Type", "")
+    if status != 200:
+        return status, kind, {}
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert sample.labels.pop("model_name") == MODEL
+            le = sample.labels.pop("le", None)
+            assert not sample.labels, sample
+            samples[sample.name + (f"[{le}]" if le else "")] = sample.value
+    return status, kind, samples
+
+
+async def test_metrics_count_the_tokens_and_steps_of_the_calls_served(
+    engine: EngineServer, client: openai.AsyncOpenAI
+) -> None:
+    status, kind, before = await scrape(engine)
+    assert status == 200 and kind.startswith("text/plain; version=0.0.4")
+
+    def request(i: int, n: int = 1) -> Any:
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"metrics {i} " * (1 + i % 4)}],
+            max_tokens=5,
+            n=n,
+            seed=i,
+            extra_body={"ignore_eos": True},
+        )
+
+    answers = await asyncio.gather(*(request(i) for i in range(12)), request(99, n=3))
+    _, _, after = await scrape(engine)
+    grew = {name: after[name] - before.get(name, 0.0) for name in after}
+    choices = sum(len(a.choices) for a in answers)
+    prompt = sum(a.usage.prompt_tokens * len(a.choices) for a in answers)  # prefilled once a choice
+    generated = sum(a.usage.completion_tokens for a in answers)
+    assert (choices, generated) == (15, 75)
+    assert grew["vllm:prompt_tokens_total"] == prompt
+    assert grew["vllm:generation_tokens_total"] == generated
+    # A step's tokens: the prompts it admitted, then one a row decoded (every token but a choice's first,
+    # which its prefill samples).
+    assert grew["vllm:iteration_tokens_total_sum"] == prompt + generated - choices
+    assert grew["vllm:iteration_tokens_total_count"] == grew["lightning_engine_steps_total"]
+    assert grew["vllm:iteration_tokens_total_bucket[+Inf]"] == grew["lightning_engine_steps_total"]
+    assert grew["vllm:iteration_tokens_total_bucket[1.0]"] <= grew["vllm:iteration_tokens_total_bucket[8.0]"]
+    # Batched: far fewer decode passes than tokens, and at most one prefill pass a choice.
+    assert 4 <= grew["lightning_engine_decode_passes_total"] < generated / 2
+    assert 1 <= grew["lightning_engine_prefill_passes_total"] <= choices
+    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
+    assert after["lightning_engine_policy_version"] == engine.policy_version
+
+
 async def test_weight_reload_changes_outputs_and_version(
     engine: EngineServer, client: openai.AsyncOpenAI, model_dir: Path, tmp_path: Path
 ) -> None:
@@ -550,6 +609,11 @@ async def test_an_api_key_also_guards_the_admin_routes_unless_an_admin_key_is_gi
     server = await start_engine(model_dir, served_model_name=MODEL, api_key="infer-key")
     try:
         assert server.admin_key == "infer-key" and server.admin_key_file is None
+        # /health and /metrics are served without a key, as vLLM serves them; /v1 needs it
+        status, _, samples = await scrape(server)
+        assert status == 200 and samples["lightning_engine_steps_total"] == 0
+        async with aiohttp.ClientSession() as session, session.get(server.base_url + "/models") as resp:
+            assert resp.status == 401
         status, _, _ = await post(server, "/admin/load_weights", {"path": str(model_dir)}, key="infer-key")
         assert status == 200
     finally:
