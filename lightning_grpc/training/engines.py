@@ -15,7 +15,7 @@ it is bound to a Unix socket (``--uds``) in a private directory (mode 0700, made
 the run's user can enter, and the run drives the control routes over that socket. The agents' inference
 reaches it through a small forwarder, the *gate* (``python -m lightning_grpc.training.engines gate``, a
 child process of the run), listening on loopback TCP and passing on only ``/v1/*`` (without the runtime
-LoRA routes) and ``/health``: the same exposure as the embedded engine's inference port. Responses,
+LoRA routes), ``/health`` and ``/metrics``: the same exposure as the embedded engine's inference port. Responses,
 streams included, are relayed chunk by chunk; a call the proxy drops is dropped upstream too, so vLLM
 stops generating it.
 
@@ -732,7 +732,8 @@ _CLOSED_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def gate_app(socket_path: str | Path) -> Any:
-    """The gate's aiohttp application: ``/v1/*`` and ``/health`` relayed to the server at ``socket_path``."""
+    """The gate's aiohttp application: ``/v1/*``, ``/health`` and ``/metrics`` relayed to the server at
+    ``socket_path``."""
     from aiohttp import web
 
     sessions: dict[str, aiohttp.ClientSession] = {}
@@ -789,6 +790,7 @@ def gate_app(socket_path: str | Path) -> Any:
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.router.add_route("*", "/v1/{tail:.*}", relay)
     app.router.add_get("/health", relay)
+    app.router.add_get("/metrics", relay)
     app.on_cleanup.append(close)
     return app
 
@@ -816,7 +818,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     ``... extension DIR``."""
     parser = argparse.ArgumentParser(prog="python -m lightning_grpc.training.engines")
     sub = parser.add_subparsers(dest="command", required=True)
-    gate = sub.add_parser("gate", help="serve a Unix-socket vLLM's /v1 and /health on loopback TCP")
+    gate = sub.add_parser("gate", help="serve a Unix-socket vLLM's /v1, /health and /metrics on loopback TCP")
     gate.add_argument("--uds", required=True)
     gate.add_argument("--host", default="127.0.0.1")
     gate.add_argument("--port", type=int, default=0)

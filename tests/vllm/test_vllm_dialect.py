@@ -134,9 +134,13 @@ async def test_vllms_refusal_reaches_the_agent_and_is_recorded(
     assert semconv.LLM_RESPONSE_TOKEN_IDS not in span.attributes
 
 
+#: The paths the gate passes on (every other answers 404 there).
+OPEN_ON_THE_GATE = ("/health", "/v1/models", "/metrics")
+
+
 async def test_the_gate_serves_inference_only(vllm: VllmEngine) -> None:
-    """The loopback port passes on /v1 and /health; vLLM's control routes are reachable only over its
-    socket, in a directory only this user may enter."""
+    """The loopback port passes on /v1, /health and /metrics; vLLM's control routes are reachable only over
+    its socket, in a directory only this user may enter."""
     import aiohttp
 
     assert vllm.socket_dir is not None and (vllm.socket_dir.stat().st_mode & 0o777) == 0o700
@@ -144,6 +148,7 @@ async def test_the_gate_serves_inference_only(vllm: VllmEngine) -> None:
         for method, path in [
             ("GET", "/health"),
             ("GET", "/v1/models"),
+            ("GET", "/metrics"),
             ("POST", "/collective_rpc"),
             ("POST", "/pause"),
             ("POST", "/update_weight_version"),
@@ -151,5 +156,7 @@ async def test_the_gate_serves_inference_only(vllm: VllmEngine) -> None:
             ("POST", "/v1/load_lora_adapter"),
         ]:
             async with http.request(method, f"{vllm.url}{path}", json={}) as resp:
-                assert resp.status == (200 if path in ("/health", "/v1/models") else 404), path
+                assert resp.status == (200 if path in OPEN_ON_THE_GATE else 404), path
+                if path == "/metrics":  # vLLM's own figures, under the names the embedded engine uses too
+                    assert "vllm:num_requests_running" in await resp.text()
     assert (await vllm.call("GET", "/is_paused")) == {"is_paused": False}
