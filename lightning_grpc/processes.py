@@ -4,6 +4,7 @@ and what a long-running server process does once it has started."""
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import signal
 import subprocess
@@ -122,8 +123,9 @@ class Background:
             return list(self._lines)
 
     def last_lines(self, count: int) -> list[str]:
-        """The last ``count`` lines it printed."""
-        return self.lines[-count:]
+        """The last ``count`` lines it printed (without copying the rest)."""
+        with self._changed:
+            return list(itertools.islice(reversed(self._lines), count))[::-1]
 
     def tail(self, lines: int = 20) -> str:
         return "\n".join(f"  | {line}" for line in self.last_lines(lines))

@@ -32,7 +32,8 @@ with extra_imports("engine"):
 
 from .scheduler import STEP_TOKEN_BUCKETS, EngineCounters
 
-#: The content type of :func:`exposition` (Prometheus text format 0.0.4).
+#: The content type of :func:`exposition`: Prometheus text format 0.0.4, what ``generate_latest`` writes
+#: (the library's CONTENT_TYPE_LATEST names a newer version of the format).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -53,25 +54,33 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         c, load, labels = self._counters(), self._load(), [self.model_name]
-        yield _gauge("vllm:num_requests_running", "Sequences in the running batch.", labels, load["running"])
-        yield _gauge("vllm:num_requests_waiting", "Sequences waiting for a row.", labels, load["waiting"])
-        yield _counter("vllm:prompt_tokens", "Prompt tokens prefilled.", labels, c.prompt_tokens)
-        yield _counter("vllm:generation_tokens", "Tokens sampled.", labels, c.generation_tokens)
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield _one(
+            gauge, "vllm:num_requests_running", "Sequences in the running batch.", labels, load["running"]
+        )
+        yield _one(
+            gauge, "vllm:num_requests_waiting", "Sequences waiting for a row.", labels, load["waiting"]
+        )
+        yield _one(counter, "vllm:prompt_tokens", "Prompt tokens prefilled.", labels, c.prompt_tokens)
+        yield _one(counter, "vllm:generation_tokens", "Tokens sampled.", labels, c.generation_tokens)
         yield _step_tokens(labels, c)
-        yield _counter("lightning_engine_steps", "Steps of the scheduler's loop.", labels, c.steps)
-        yield _counter(
+        yield _one(counter, "lightning_engine_steps", "Steps of the scheduler's loop.", labels, c.steps)
+        yield _one(
+            counter,
             "lightning_engine_prefill_passes",
             "Forward passes over newly admitted prompts.",
             labels,
             c.prefill_passes,
         )
-        yield _counter(
+        yield _one(
+            counter,
             "lightning_engine_decode_passes",
             "Forward passes of one token for every row.",
             labels,
             c.decode_passes,
         )
-        yield _gauge(
+        yield _one(
+            gauge,
             "lightning_engine_policy_version",
             "Policy version of the weights served.",
             labels,
@@ -79,14 +88,15 @@ class EngineCollector(Collector):
         )
 
 
-def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=["model_name"])
-    family.add_metric(labels, value)
-    return family
-
-
-def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=["model_name"])
+def _one(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    name: str,
+    doc: str,
+    labels: list[str],
+    value: float,
+) -> Metric:
+    """A gauge or counter family with the one sample of this engine."""
+    family = kind(name, doc, labels=["model_name"])
     family.add_metric(labels, value)
     return family
 

@@ -265,6 +265,11 @@ class EngineServer:
             threads=self.config.threads or (1 if params < SMALL_MODEL_PARAMS else None),
         )
         self.vocab_size = self.scheduler.vocab_size
+        self._metrics_registry = metrics.registry(
+            metrics.EngineCollector(
+                self.model_name, self.scheduler.counters, self.scheduler.load, lambda: self.policy_version
+            )
+        )
         self.scheduler.grammars = self.grammars = await loop.run_in_executor(
             None, Grammars, tokenizer, self.vocab_size
         )
@@ -497,14 +502,8 @@ class EngineServer:
         return web.json_response(body, status=200 if alive else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        if self.scheduler is None:
-            raise EngineError("the engine has not started", status=503)
         if self._metrics_registry is None:
-            scheduler = self.scheduler
-            collector = metrics.EngineCollector(
-                self.model_name, scheduler.counters, scheduler.load, lambda: self.policy_version
-            )
-            self._metrics_registry = metrics.registry(collector)
+            raise EngineError("the engine has not started", status=503)
         body = metrics.exposition(self._metrics_registry)
         return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
 
