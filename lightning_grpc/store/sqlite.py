@@ -14,6 +14,9 @@ acknowledged: the writer keeps the batch and tries it again, with back-off, unti
 :attr:`SqliteBackend.out_of_space` tells the store to refuse new writes. Deletes are still taken: the writer
 commits them ahead of the held batch (whose rows of deleted rollouts it drops, as the delete would have), so
 that deleting finished rollouts makes room for what waits.
+
+A new store file is made with pages of :data:`PAGE_SIZE` bytes; a file made before keeps its own (SQLite fixes a
+file's page size when it is created), and both are read and written alike.
 """
 
 from __future__ import annotations
@@ -166,6 +169,13 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+#: The page size of a new store file (SQLite's default is 4 KiB). A span's row is about 1.4 KB (its body is the
+#: span's Protobuf bytes), so a 4 KiB page holds two and leaves a third of itself empty: 16 KiB pages hold eleven.
+#: Measured with bench/grpc_peer.py span-ingest (8 streams of 64-span batches, synchronous=FULL): 28 % less
+#: file per span, 18 % less server CPU per span, 25 % more spans a second; the rollout cycle, whose commits
+#: change small rows, was the same either way.
+PAGE_SIZE = 16384
+
 #: SQLite's ``synchronous`` setting for each sync level this backend offers.
 SYNC_LEVELS = {"full": "FULL", "normal": "NORMAL"}
 DEFAULT_SYNC = "full"
@@ -232,6 +242,7 @@ class SqliteBackend:
         self._loop = asyncio.get_running_loop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = _connect(self.path)
+        conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # takes effect only where the file is new
         db = sqlite_utils.Database(conn)
         db.enable_wal()
         conn.execute(f"PRAGMA synchronous={SYNC_LEVELS[self.synchronous]}")

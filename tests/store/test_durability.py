@@ -954,3 +954,45 @@ async def test_the_sync_level_is_an_explicit_option_and_full_is_the_default(tmp_
 
         SqliteBackend(tmp_path / "x.db", synchronous="sometimes")
     del sqlite3
+
+
+async def test_new_store_files_have_16_kib_pages_and_older_4_kib_files_keep_working(tmp_path: Path) -> None:
+    """A store file made by serve has PAGE_SIZE pages; a file that already has 4 KiB pages (made by a release
+    before, or by anyone) keeps them, and what is written to it is read back after a restart."""
+    import sqlite3
+
+    from lightning_grpc.client import StoreClient
+    from lightning_grpc.server.app import ServerConfig, start_server
+    from lightning_grpc.store.sqlite import PAGE_SIZE
+    from tests.helpers import make_spans
+
+    assert PAGE_SIZE == 16384
+    old = tmp_path / "old.db"
+    made = sqlite3.connect(old)
+    made.execute("PRAGMA page_size=4096")
+    made.execute("VACUUM")  # the file exists, with 4 KiB pages
+    made.close()
+
+    for db, pages in ((tmp_path / "new.db", PAGE_SIZE), (old, 4096)):
+        written: dict[str, int] = {}
+        for restart in (False, True):
+            running = await start_server(ServerConfig(port=0, db=db, grace=0.5))
+            client = StoreClient(running.address, retry=None, timeout=10)
+            try:
+                conn = running.store.backend._write_conn  # type: ignore[attr-defined]
+                assert conn.execute("PRAGMA page_size").fetchone()[0] == pages, db.name
+                if not restart:
+                    for i in range(3):
+                        got = await client.start_rollout({"i": i}, worker_id="w")
+                        assert got.latest_attempt is not None
+                        spans = make_spans(40)
+                        await client.add_spans(
+                            spans, rollout_id=got.rollout_id, attempt_id=got.latest_attempt.attempt_id
+                        )
+                        written[got.rollout_id] = len(spans)
+                else:
+                    for rollout_id, count in written.items():
+                        assert len(await client.query_spans(rollout_id)) == count, (db.name, rollout_id)
+            finally:
+                await client.close()
+                await running.stop()
