@@ -962,9 +962,9 @@ async def test_new_store_files_have_16_kib_pages_and_older_4_kib_files_keep_work
     import sqlite3
 
     from lightning_grpc.client import StoreClient
-    from lightning_grpc.server.app import ServerConfig, start_server
+    from lightning_grpc.server.app import ServerConfig
     from lightning_grpc.store.sqlite import PAGE_SIZE
-    from tests.helpers import make_spans
+    from tests.helpers import make_spans, serving
 
     assert PAGE_SIZE == 16384
     old = tmp_path / "old.db"
@@ -973,26 +973,23 @@ async def test_new_store_files_have_16_kib_pages_and_older_4_kib_files_keep_work
     made.execute("VACUUM")  # the file exists, with 4 KiB pages
     made.close()
 
+    def page_size(running: Any) -> int:
+        return int(running.store.backend._write_conn.execute("PRAGMA page_size").fetchone()[0])
+
     for db, pages in ((tmp_path / "new.db", PAGE_SIZE), (old, 4096)):
+        config = ServerConfig(port=0, db=db, grace=0.5)
         written: dict[str, int] = {}
-        for restart in (False, True):
-            running = await start_server(ServerConfig(port=0, db=db, grace=0.5))
-            client = StoreClient(running.address, retry=None, timeout=10)
-            try:
-                conn = running.store.backend._write_conn  # type: ignore[attr-defined]
-                assert conn.execute("PRAGMA page_size").fetchone()[0] == pages, db.name
-                if not restart:
-                    for i in range(3):
-                        got = await client.start_rollout({"i": i}, worker_id="w")
-                        assert got.latest_attempt is not None
-                        spans = make_spans(40)
-                        await client.add_spans(
-                            spans, rollout_id=got.rollout_id, attempt_id=got.latest_attempt.attempt_id
-                        )
-                        written[got.rollout_id] = len(spans)
-                else:
-                    for rollout_id, count in written.items():
-                        assert len(await client.query_spans(rollout_id)) == count, (db.name, rollout_id)
-            finally:
-                await client.close()
-                await running.stop()
+        async with serving(config) as running, StoreClient(running.address, retry=None, timeout=10) as client:
+            assert page_size(running) == pages, db.name
+            for i in range(3):
+                got = await client.start_rollout({"i": i}, worker_id="w")
+                assert got.latest_attempt is not None
+                spans = make_spans(40)
+                await client.add_spans(
+                    spans, rollout_id=got.rollout_id, attempt_id=got.latest_attempt.attempt_id
+                )
+                written[got.rollout_id] = len(spans)
+        async with serving(config) as running, StoreClient(running.address, retry=None, timeout=10) as client:
+            assert page_size(running) == pages, db.name
+            for rollout_id, count in written.items():
+                assert len(await client.query_spans(rollout_id)) == count, (db.name, rollout_id)
