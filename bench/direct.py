@@ -46,7 +46,7 @@ import torch
 
 from lightning_grpc.batching.tensors import PackRow, pack, pad
 from lightning_grpc.engine.protocol import SamplingParams
-from lightning_grpc.engine.scheduler import prefill
+from lightning_grpc.engine.scheduler import prefill, with_cache
 from lightning_grpc.engine.text import OutputText
 from lightning_grpc.examples import combination_lock as lock
 from lightning_grpc.training import ppo
@@ -189,7 +189,7 @@ class DirectGenerator:
                 input_ids=tokens[:, None],
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                **with_cache(self.model, cache),
                 use_cache=True,
             )
             logits = out.logits[:, -1, :].float()

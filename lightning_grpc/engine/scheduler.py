@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import inspect
 import os
 import threading
 import time
@@ -230,6 +231,26 @@ class _WeightUpdate:
 
 
 # ---------------------------------------------------------------- the scheduler
+def with_cache(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword argument that hands a KV cache to ``model``'s forward pass.
+
+    ``cache`` where the forward takes it (transformers 5 renamed ``past_key_values`` to it, and drops the old
+    name in 5.40), else ``past_key_values``. A cache passed under a name the forward no longer takes is not
+    an error there: the model would build a cache of its own, and each decode step would see its one new
+    token without the tokens before it.
+    """
+    model_class = type(model)
+    name = _CACHE_KEYWORDS.get(model_class)
+    if name is None:
+        parameters = inspect.signature(model_class.forward).parameters
+        name = _CACHE_KEYWORDS[model_class] = "cache" if "cache" in parameters else "past_key_values"
+    return {name: cache}
+
+
+#: By model class, the keyword its forward pass takes the KV cache under (see with_cache).
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
 def prefill(
     model: Any, prompts: Sequence[Sequence[int]], pad_id: int
 ) -> tuple[torch.Tensor, Any, torch.Tensor]:
@@ -245,7 +266,7 @@ def prefill(
         input_ids=ids,
         attention_mask=mask,
         position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-        past_key_values=cache,
+        **with_cache(model, cache),
         use_cache=True,
         logits_to_keep=1,
     )
@@ -436,7 +457,7 @@ class Scheduler:
             input_ids=self._pending[:, None],
             attention_mask=mask,
             position_ids=self._mask.sum(1, keepdim=True),
-            past_key_values=self._cache,
+            **with_cache(self.model, self._cache),
             use_cache=True,
         )
         self._mask = mask

@@ -319,6 +319,39 @@ async def test_concurrent_requests_are_batched(client: openai.AsyncOpenAI) -> No
     assert all(len(r["choices"][0]["token_ids"]) == 16 for r in concurrent)
 
 
+async def test_greedy_tokens_and_logprobs_are_those_of_a_forward_pass_over_the_whole_text(
+    client: openai.AsyncOpenAI, model_dir: Path
+) -> None:
+    """The KV cache the scheduler keeps (left padding, newcomers merged in, finished rows dropped) computes
+    what the model computes over the whole sequence: each greedy token is the argmax of one forward pass,
+    without any cache, over the prompt and the tokens before it, and its log-prob is that pass's."""
+    prompts = [[5, 17, 300, 1200], [7, 8, 9], list(range(40, 71)), [11] * 12]
+    responses = await asyncio.gather(
+        *(
+            client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=4 + 3 * i,  # rows end at different steps and leave a running batch
+                temperature=0,
+                logprobs=1,
+                extra_body={**TOKEN_IDS, "ignore_eos": True},
+            )
+            for i, prompt in enumerate(prompts)
+        )
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    for prompt, response in zip(prompts, responses, strict=True):
+        choice = response.model_dump()["choices"][0]
+        ids = list(prompt)
+        for token, logprob in zip(choice["token_ids"], choice["logprobs"]["token_logprobs"], strict=True):
+            with torch.inference_mode():
+                logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+            assert token == int(logits.argmax()), f"prompt {prompt}, after {ids[len(prompt) :]}"
+            assert logprob == pytest.approx(float(torch.log_softmax(logits, dim=-1)[token]), abs=1e-4)
+            ids.append(token)
+        assert len(ids) - len(prompt) == len(choice["token_ids"]) > 3
+
+
 async def test_clients_that_hang_up_leave_the_batch(engine: EngineServer, client: openai.AsyncOpenAI) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1500, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:
