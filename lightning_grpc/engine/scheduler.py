@@ -231,6 +231,10 @@ class _WeightUpdate:
 
 
 # ---------------------------------------------------------------- the scheduler
+#: By model class, the keyword its forward pass takes the KV cache under (see with_cache).
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
 def with_cache(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword argument that hands a KV cache to ``model``'s forward pass.
 
@@ -245,10 +249,6 @@ def with_cache(model: Any, cache: Any) -> dict[str, Any]:
         parameters = inspect.signature(model_class.forward).parameters
         name = _CACHE_KEYWORDS[model_class] = "cache" if "cache" in parameters else "past_key_values"
     return {name: cache}
-
-
-#: By model class, the keyword its forward pass takes the KV cache under (see with_cache).
-_CACHE_KEYWORDS: dict[type, str] = {}
 
 
 def prefill(
