@@ -7,10 +7,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from lightning_grpc.engine.scheduler import prefill, with_cache
+from lightning_grpc.engine.server import load_model
 
 
 class OlderCausalLM(torch.nn.Module):
@@ -20,16 +21,20 @@ class OlderCausalLM(torch.nn.Module):
         return None
 
 
-def test_the_cache_goes_under_the_name_the_forward_pass_takes(model_dir: Path) -> None:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> Any:
+    """The tiny model, loaded as the engine loads it."""
+    return load_model(model_dir)
+
+
+def test_the_cache_goes_under_the_name_the_forward_pass_takes(model: Any) -> None:
     cache = object()
     ((name, given),) = with_cache(model, cache).items()
     assert given is cache and name in inspect.signature(model.forward).parameters
     assert with_cache(OlderCausalLM(), cache) == {"past_key_values": cache}
 
 
-def test_a_prefill_uses_no_deprecated_argument_of_the_installed_transformers(model_dir: Path) -> None:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+def test_a_prefill_uses_no_deprecated_argument_of_the_installed_transformers(model: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         with torch.inference_mode():
