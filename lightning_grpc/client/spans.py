@@ -17,7 +17,8 @@ The Store keys spans by span id, so a batch sent twice is stored once. Two ways 
 - :class:`StreamSink`: the bidirectional ``AddSpansStream`` over gRPC, many batches in flight; when the
   stream breaks it is opened again and every unacknowledged batch is sent again;
 - :class:`CallSink`: one call per batch on a client that takes serialized spans (``add_span_bytes``),
-  such as :class:`~lightning_grpc.client.local.LocalStoreClient`, a Store in the same process.
+  such as :class:`~lightning_grpc.client.local.LocalStoreClient`, a Store in the same process; many
+  batches in flight too, each handed to the Store as it comes, so that they share the Store's commits.
 
 :class:`SpanShipper` runs in the event loop that starts it. :class:`SpanStreamer` runs one on a thread
 of its own, with its own event loop and channel; its :meth:`~SpanStreamer.submit` is cheap and may be
@@ -47,6 +48,7 @@ from lightning_grpc.errors import (
     LightningError,
     ResourceExhaustedError,
 )
+from lightning_grpc.pipelined import answers_as_done
 from lightning_grpc.v1 import store_service_pb2 as pb
 
 from .channel import Metadata, call_metadata, close_loop, make_channel
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
     from .store import StoreClient
 
 Key = tuple[str, str]
+#: The most batches a shipper keeps sent and unanswered, by default.
+MAX_IN_FLIGHT = 64
 #: The Store's answer to one batch: its id, and the error when it did not store it.
 Ack = tuple[int, LightningError | None]
 
@@ -199,14 +203,22 @@ class SpanWriter(Protocol):
 
 
 class CallSink:
-    """One ``add_span_bytes`` call per batch; the Store's errors are its answers, so a session never breaks."""
+    """One ``add_span_bytes`` call per batch; the Store's errors are its answers, so a session never breaks.
 
-    def __init__(self, writer: SpanWriter, target: str = "in-process") -> None:
+    Each batch is handed to the Store as soon as it is read, in the order read, without waiting for the
+    batches before it to be stored: a durable Store commits every batch it holds together, where storing
+    one batch after another would cost each batch the commits of all those queued ahead of it (the proxy,
+    whose answers wait for their spans, then held each call for as long).
+    """
+
+    def __init__(self, writer: SpanWriter, target: str = "in-process", *, depth: int = MAX_IN_FLIGHT) -> None:
         self.writer = writer
         self.target = target
+        #: The most batches handed over and not yet answered (the shipper's window bounds them too).
+        self.depth = depth
 
     async def session(self, batches: AsyncIterator[SpanBatch]) -> AsyncGenerator[Ack, None]:
-        """Store each batch with one call.
+        """Store each batch with one call, and answer each once it is stored (or refused).
 
         Args:
             batches: The batches to store, as they come.
@@ -214,13 +226,16 @@ class CallSink:
         Yields:
             (batch id, None when stored or the typed refusal).
         """
-        async for batch in batches:
-            try:
-                await self.writer.add_span_bytes(batch.spans, batch.key[0], batch.key[1])
-            except LightningError as exc:
-                yield batch.batch_id, exc
-            else:
-                yield batch.batch_id, None
+        async with contextlib.aclosing(answers_as_done(batches, self._store, self.depth)) as acks:
+            async for ack in acks:
+                yield ack
+
+    async def _store(self, batch: SpanBatch) -> Ack:
+        try:
+            await self.writer.add_span_bytes(batch.spans, batch.key[0], batch.key[1])
+        except LightningError as exc:
+            return batch.batch_id, exc
+        return batch.batch_id, None
 
 
 def sink_for(client: StoreClient | LocalStoreClient) -> SpanSink:
@@ -300,7 +315,7 @@ class SpanShipper:
         max_batch: int = 256,
         max_batch_bytes: int = 8 * 1024 * 1024,
         linger: float = 0.05,
-        max_in_flight: int = 64,
+        max_in_flight: int = MAX_IN_FLIGHT,
         max_backoff: float = 5.0,
         log: logging.Logger | None = None,
         name: str = "span",
@@ -628,7 +643,7 @@ class SpanStreamer:
         token: str | None = None,
         max_batch: int = 256,
         linger: float = 0.05,
-        max_in_flight: int = 64,
+        max_in_flight: int = MAX_IN_FLIGHT,
         log: logging.Logger | None = None,
     ) -> None:
         self.config = target if isinstance(target, ClientConfig) else ClientConfig(target=target, token=token)

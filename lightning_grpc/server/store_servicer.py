@@ -15,6 +15,7 @@ from lightning_grpc import convert
 from lightning_grpc.access import SESSION_CALLS
 from lightning_grpc.convert.store import statistics_to_pb
 from lightning_grpc.errors import InvalidArgumentError, LightningError, UnavailableError
+from lightning_grpc.pipelined import answers_as_done, answers_in_order
 from lightning_grpc.store import (
     AddSpansResult,
     DequeueRequest,
@@ -28,7 +29,6 @@ from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
 from . import caller, wire
 from .handlers import ServicerState, Undecodable, internal_error, register_service, streaming, unary
-from .pipelined import answers_as_done, answers_in_order
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from lightning_grpc import convert, semconv
 from lightning_grpc.client import StoreClient
 from lightning_grpc.client.local import LocalStoreClient
-from lightning_grpc.client.spans import CallSink, SpanShipper, SpanStreamer, ack_error
+from lightning_grpc.client.spans import CallSink, SpanBatch, SpanShipper, SpanStreamer, ack_error
 from lightning_grpc.errors import (
     InvalidArgumentError,
     LightningError,
@@ -188,6 +189,69 @@ async def test_spans_refused_by_a_full_store_arrive_once_it_has_room(path: str) 
             assert stats.rejected == 0 and stats.acknowledged == 1
             [stored] = await client.query_spans(keep.rollout_id)
             assert stored.attributes["wanted"] is True
+    finally:
+        await running.stop()
+
+
+# ------------------------------------------------------------------ the in-process sink, over a SQLite file
+
+
+async def listed(batches: list[SpanBatch]) -> AsyncIterator[SpanBatch]:
+    for batch in batches:
+        yield batch
+
+
+async def test_the_in_process_sink_hands_every_batch_over_before_the_first_is_stored(tmp_path: Path) -> None:
+    """Batches waiting for the SQLite Store's commit do not hold up those behind them: when the first is
+    answered, the last one's spans are in the Store already (stored one after another, it would not even
+    have been handed over yet), and every batch is answered once."""
+    running = await start_server(ServerConfig(port=0, db=tmp_path / "store.db"))
+    try:
+        async with StoreClient(f"127.0.0.1:{running.port}") as client:
+            rollouts = [await client.start_rollout({"i": i}) for i in range(12)]
+            keys = [(r.rollout_id, r.latest_attempt.attempt_id) for r in rollouts if r.latest_attempt]
+            batches = [
+                SpanBatch(i, key, [body(make_span(*key, n=n)) for n in range(3)])
+                for i, key in enumerate(keys, 1)
+            ]
+            acks = CallSink(LocalStoreClient(running.store)).session(listed(batches))
+            first_id, first_error = await anext(acks)
+            assert first_error is None
+            last = keys[-1] if first_id != len(keys) else keys[0]
+            assert len(await client.query_spans(last[0])) == 3  # the other answers not read yet
+            answered = [first_id] + [batch_id async for batch_id, error in acks if error is None]
+            assert sorted(answered) == [b.batch_id for b in batches]
+            for rollout_id, _ in keys:
+                assert [s.sequence_id for s in await client.query_spans(rollout_id)] == [1, 2, 3]
+    finally:
+        await running.stop()
+
+
+async def test_the_in_process_sink_answers_a_refused_batch_with_its_error_and_keeps_an_attempts_order(
+    tmp_path: Path,
+) -> None:
+    """Batches handed over together: a batch for an unknown attempt is answered with NotFoundError while
+    the others are stored, and two batches of one attempt are numbered in the order they came."""
+    running = await start_server(ServerConfig(port=0, db=tmp_path / "store.db"))
+    try:
+        async with StoreClient(f"127.0.0.1:{running.port}") as client:
+            rollout = await client.start_rollout({"order": True})
+            assert rollout.latest_attempt
+            key = (rollout.rollout_id, rollout.latest_attempt.attempt_id)
+            early, late = make_span(*key, turn=1), make_span(*key, turn=2)
+            batches = [
+                SpanBatch(1, key, [body(early)]),
+                SpanBatch(
+                    2, (rollout.rollout_id, "at-missing"), [body(make_span(rollout.rollout_id, "at-missing"))]
+                ),
+                SpanBatch(3, key, [body(late)]),
+            ]
+            sink = CallSink(LocalStoreClient(running.store))
+            answers = {batch_id: error async for batch_id, error in sink.session(listed(batches))}
+            assert answers[1] is None and answers[3] is None
+            assert isinstance(answers[2], NotFoundError)
+            stored = await client.query_spans(rollout.rollout_id)
+            assert [(s.span_id, s.sequence_id) for s in stored] == [(early.span_id, 1), (late.span_id, 2)]
     finally:
         await running.stop()
 

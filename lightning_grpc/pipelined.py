@@ -5,7 +5,8 @@ take one message, wait, answer and only then read the next: one batch a commit p
 client has sent. :func:`answers_in_order` reads on while earlier answers wait, so a stream's batches share
 commits, and still answers each message, in the order the messages came, once its answer is ready.
 :func:`answers_as_done` handles each message on its own and answers it as soon as it is done, whatever came
-before it: a RunnerSession's claim that waits for a rollout does not hold up the outcomes sent after it.
+before it: a RunnerSession's claim that waits for a rollout does not hold up the outcomes sent after it, and
+the span shipper's in-process sink hands each batch to the Store without waiting for the commits of those before.
 """
 
 from __future__ import annotations

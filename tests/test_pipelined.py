@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from lightning_grpc.server.pipelined import answers_as_done, answers_in_order
+from lightning_grpc.pipelined import answers_as_done, answers_in_order
 
 
 class Stream:
