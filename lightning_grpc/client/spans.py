@@ -32,7 +32,6 @@ import collections
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -97,6 +96,21 @@ class SpanBatch:
     tries: int = 0
     #: The batch framed as an AddSpansStreamRequest, once sent on a stream.
     payload: bytes | None = None
+
+
+@dataclass(eq=False)
+class _Outstanding:
+    """An attempt's spans submitted and not yet stored or given up, and the flushes that wait for them.
+
+    Kept only while something is outstanding, so that a long-lived shipper holds nothing per finished
+    attempt. A flush holds on to the entry itself: spans submitted later for the same attempt start a new
+    entry and cannot hold up a flush made before them.
+    """
+
+    submitted: int = 0
+    done: int = 0
+    #: (spans of this attempt that must be done, the flush's future), in no particular order.
+    waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
 
 
 @dataclass
@@ -332,8 +346,9 @@ class SpanShipper:
         self._lock = threading.Lock()
         self._pending: dict[Key, list[bytes]] = collections.defaultdict(list)
         self._pending_tracked: dict[Key, list[tuple[bytes, Tracked]]] = collections.defaultdict(list)
-        self._submitted: dict[Key, int] = collections.defaultdict(int)
-        self._done: dict[Key, int] = collections.defaultdict(int)
+        self._outstanding: dict[Key, _Outstanding] = {}
+        self._submitted = 0
+        self._done = 0
         self._unacked: collections.OrderedDict[int, SpanBatch] = collections.OrderedDict()
         self._next_batch = 1
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -349,7 +364,6 @@ class SpanShipper:
             self._loop_thread = threading.get_ident()
             self._wake = asyncio.Event()
             self._has_work = asyncio.Event()
-            self._progress = asyncio.Condition()
             self._outbox = _Outbox([], self.max_in_flight)
             self._tasks = [
                 asyncio.create_task(self._batch_forever(), name=f"{self.name}-batcher"),
@@ -361,7 +375,13 @@ class SpanShipper:
     def pending(self) -> int:
         """Spans submitted and not yet stored or given up."""
         with self._lock:
-            return sum(self._submitted.values()) - sum(self._done.values())
+            return self._submitted - self._done
+
+    @property
+    def attempts_pending(self) -> int:
+        """Attempts with spans submitted and not yet stored or given up (nothing is kept of the others)."""
+        with self._lock:
+            return len(self._outstanding)
 
     def submit(self, rollout_id: str, attempt_id: str, span: bytes) -> None:
         """Queue one serialized ``lightning.v1.Span`` of an attempt (any thread)."""
@@ -369,8 +389,7 @@ class SpanShipper:
         with self._lock:
             bucket = self._pending[key]
             bucket.append(span)
-            self._submitted[key] += 1
-            self.stats.submitted += 1
+            self._count_submitted(key)
             full = len(bucket) >= self.max_batch
         if full or not self.linger:
             self._wake_up()
@@ -388,8 +407,7 @@ class SpanShipper:
         with self._lock:
             bucket = self._pending_tracked[key]
             bucket.append((span, tracked))
-            self._submitted[key] += 1
-            self.stats.submitted += 1
+            self._count_submitted(key)
             full = len(bucket) >= self.max_batch
         if full or not self.linger:
             self._wake_up()
@@ -403,35 +421,44 @@ class SpanShipper:
         False when ``timeout`` seconds passed first.
         """
         with self._lock:
-            if rollout_id is None:
-                targets = dict(self._submitted)
-            else:
-                targets = {
-                    k: n
-                    for k, n in self._submitted.items()
-                    if k[0] == rollout_id and (attempt_id is None or k[1] == attempt_id)
-                }
-
-        def done() -> bool:
-            with self._lock:
-                return all(self._done[k] >= n for k, n in targets.items())
-
-        if done():
+            targets = [(entry, entry.submitted) for entry in self._entries(rollout_id, attempt_id)]
+        if not targets:
             return True
         if self._loop is None or self._closed:
             return False
+        loop = asyncio.get_running_loop()
+        waiters = []
+        with self._lock:
+            for entry, count in targets:
+                if entry.done < count:
+                    waiter: asyncio.Future[None] = loop.create_future()
+                    entry.waiters.append((count, waiter))
+                    waiters.append(waiter)
+        if not waiters:
+            return True
         self._wake.set()
-        deadline = time.monotonic() + timeout
-        async with self._progress:
-            while not done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                try:
-                    await asyncio.wait_for(self._progress.wait(), remaining)
-                except TimeoutError:
-                    return done()
-        return True
+        _, late = await asyncio.wait(waiters, timeout=max(timeout, 0.0))
+        for waiter in late:
+            waiter.cancel()  # its entry drops it when that attempt's spans next finish
+        return not late
+
+    def _entries(self, rollout_id: str | None, attempt_id: str | None) -> list[_Outstanding]:
+        """The outstanding entries a flush waits for (called with the lock held)."""
+        if rollout_id is not None and attempt_id is not None:
+            entry = self._outstanding.get((rollout_id, attempt_id))
+            return [] if entry is None else [entry]
+        return [
+            entry for (rid, _), entry in self._outstanding.items() if rollout_id is None or rid == rollout_id
+        ]
+
+    def _count_submitted(self, key: Key) -> None:
+        """One more span of ``key`` submitted (called with the lock held)."""
+        entry = self._outstanding.get(key)
+        if entry is None:
+            entry = self._outstanding[key] = _Outstanding()
+        entry.submitted += 1
+        self._submitted += 1
+        self.stats.submitted += 1
 
     async def aclose(self, timeout: float = 10.0) -> int:
         """Send what is queued (for up to ``timeout`` seconds), then stop; returns the spans lost."""
@@ -523,8 +550,6 @@ class SpanShipper:
                         outbox.window.release()
                         backoff = 0.1
                         self._acknowledge(batch_id, error)
-                        async with self._progress:
-                            self._progress.notify_all()
                 raise ConnectionResetError("the Store ended the session")
             except Exception as exc:  # the way to the Store broke: open it again, resend
                 outbox.close()
@@ -604,19 +629,42 @@ class SpanShipper:
         if stored:
             self.stats.acknowledged += len(batch.spans)
         with self._lock:
-            self._done[batch.key] += len(batch.spans)
+            ready = self._count_done(batch.key, len(batch.spans))
+        for waiter in ready:
+            if not waiter.done():
+                waiter.set_result(None)
         for tracked in batch.tracked or ():
             if not tracked.done.done():
                 tracked.done.set_result(stored)
 
+    def _count_done(self, key: Key, count: int) -> list[asyncio.Future[None]]:
+        """``count`` spans of ``key`` stored or given up (lock held): the flushes this completes. The
+        entry goes once nothing of its attempt is outstanding."""
+        entry = self._outstanding.get(key)
+        if entry is None:
+            return []
+        entry.done += count
+        self._done += count
+        ready = [w for n, w in entry.waiters if n <= entry.done or w.done()]
+        if ready:
+            entry.waiters = [(n, w) for n, w in entry.waiters if n > entry.done and not w.done()]
+        if entry.done >= entry.submitted:
+            del self._outstanding[key]
+        return ready
+
     def _give_up_everything(self) -> int:
         """At close: every span not stored yet counts as lost; whoever waits for one hears False."""
         with self._lock:
-            lost = sum(self._submitted.values()) - sum(self._done.values())
+            lost = self._submitted - self._done
             waiting = [t for items in self._pending_tracked.values() for _, t in items]
+            flushes = [w for entry in self._outstanding.values() for _, w in entry.waiters]
             self._pending.clear()
             self._pending_tracked.clear()
-            self._done.update(self._submitted)
+            self._outstanding.clear()
+            self._done = self._submitted
+        for waiter in flushes:
+            if not waiter.done():
+                waiter.set_result(None)  # given up counts as done: the flush answers at once
         waiting.extend(t for batch in self._unacked.values() for t in batch.tracked or ())
         self._unacked.clear()
         for tracked in waiting:

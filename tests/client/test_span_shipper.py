@@ -148,7 +148,8 @@ def test_a_refusal_on_the_stream_is_the_same_typed_error_as_a_call_would_raise()
 
 @pytest.mark.parametrize("path", ["streamer", "recorder", "recorder-in-process"])
 async def test_spans_refused_by_a_full_store_arrive_once_it_has_room(path: str) -> None:
-    """The same memory-full refusal is retried on every way spans take to the Store, then stored."""
+    """The same memory-full refusal is retried on every way spans take to the Store, then stored; a flush
+    meanwhile answers False at its timeout, and True once the span is stored."""
     running = await start_server(ServerConfig(port=0, max_memory_bytes=200_000))
     target = f"127.0.0.1:{running.port}"
     try:
@@ -164,21 +165,25 @@ async def test_spans_refused_by_a_full_store_arrive_once_it_has_room(path: str) 
             if path == "streamer":
                 streamer = SpanStreamer(target)
                 streamer.submit(span.rollout_id, span.attempt_id, body(span))
-                stats = streamer.stats
+                stats, shipper, flush = streamer.stats, streamer.shipper, streamer.aflush
             else:
                 store = (
                     LocalStoreClient(running.store) if path == "recorder-in-process" else StoreClient(target)
                 )
                 recorder = SpanRecorder(store, max_backoff=0.1).start()
                 done = recorder.submit(span)
-                stats = recorder.shipper.stats
+                stats, shipper, flush = recorder.shipper.stats, recorder.shipper, recorder.shipper.flush
             for _ in range(100):
                 if stats.retried:
                     break
                 await asyncio.sleep(0.05)
             assert stats.retried >= 1 and stats.rejected == 0  # refused for now, not given up
+            assert not await flush(span.rollout_id, span.attempt_id, timeout=0.2)
+            assert shipper.attempts_pending == 1
             await client.complete_attempt(filler.rollout_id, filler.latest_attempt.attempt_id, "succeeded")
             await client.delete_rollouts([filler.rollout_id])
+            assert await flush(span.rollout_id, span.attempt_id, timeout=20)
+            assert shipper.attempts_pending == 0
             if path == "streamer":
                 assert await streamer.aflush(timeout=20)
                 await asyncio.to_thread(streamer.close)
@@ -253,6 +258,33 @@ async def test_the_in_process_sink_answers_a_refused_batch_with_its_error_and_ke
             stored = await client.query_spans(rollout.rollout_id)
             assert [(s.span_id, s.sequence_id) for s in stored] == [(early.span_id, 1), (late.span_id, 2)]
     finally:
+        await running.stop()
+
+
+async def test_a_shipper_keeps_nothing_of_an_attempt_once_its_spans_are_stored(tmp_path: Path) -> None:
+    """A long-lived shipper (a runner's, the proxy's) holds nothing per finished attempt, and a flush for
+    one attempt answers once that attempt's spans are stored, whatever else is outstanding."""
+    running = await start_server(ServerConfig(port=0, db=tmp_path / "store.db"))
+    s = SpanShipper(CallSink(LocalStoreClient(running.store)), linger=0.05).start()
+    try:
+        async with StoreClient(f"127.0.0.1:{running.port}") as client:
+            rollouts = [await client.start_rollout({"i": i}) for i in range(60)]
+            keys = [(r.rollout_id, r.latest_attempt.attempt_id) for r in rollouts if r.latest_attempt]
+            for key in keys:
+                s.submit(*key, body(make_span(*key)))
+                s.submit(*key, body(make_span(*key)))
+            assert s.attempts_pending == len(keys) and s.pending == 2 * len(keys)
+            flushed = await asyncio.gather(*(s.flush(*key, timeout=10) for key in keys))
+            assert flushed == [True] * len(keys)
+            assert s.attempts_pending == 0 and s.pending == 0
+            s.submit(*keys[0], body(make_span(*keys[0], late=True)))  # the same attempt again
+            assert s.attempts_pending == 1
+            assert await s.flush(keys[0][0], timeout=10)
+            assert s.attempts_pending == 0
+            assert len(await client.query_spans(keys[0][0])) == 3
+            assert s.stats.acknowledged == 2 * len(keys) + 1
+    finally:
+        await s.aclose()
         await running.stop()
 
 
