@@ -268,8 +268,7 @@ class TrainerCore:
             self.store.check_not_draining()
             await self.store.wait_for_commit(max(0.0, deadline - self.clock()))
         chosen = ready[:max_groups]
-        for group in chosen:  # taken at once, so a concurrent request cannot take them too
-            group.batch_id = batch_id
+        self.book.take(chosen, batch_id)  # at once, so a concurrent request cannot take them too
         carried = self._mark_carried_over(mode)
         try:
             if chosen:
@@ -278,8 +277,7 @@ class TrainerCore:
                 ]
                 await self.store.merge_rollout_metadata(ids, {BATCH_KEY: batch_id})
         except BaseException:
-            for group in chosen:
-                group.batch_id = ""
+            self.book.release(chosen)
             raise
         result = await self._built(batch_id, chosen, options, carried=carried, short=len(chosen) < min_groups)
         self.batches += 1
@@ -309,13 +307,13 @@ class TrainerCore:
         return {rid: self.store.rollout_status(rid) for g in groups for rid in g.rollout_ids}
 
     def _ended_groups(self, mode: RolloutMode) -> list[Group]:
-        open_groups = [g for g in self.book.of_mode(mode) if not g.batch_id]
+        open_groups = self.book.open_of_mode(mode)
         status = self._statuses(open_groups)
         return [g for g in open_groups if has_ended(g, status)]
 
     def _running_groups(self, mode: RolloutMode) -> list[Group]:
         """Groups of ``mode`` not taken by a batch with a sibling still running."""
-        open_groups = [g for g in self.book.of_mode(mode) if not g.batch_id]
+        open_groups = self.book.open_of_mode(mode)
         status = self._statuses(open_groups)
         return [g for g in open_groups if not has_ended(g, status)]
 

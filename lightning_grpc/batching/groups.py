@@ -48,10 +48,16 @@ class Group:
 
 
 class GroupBook:
-    """Groups in submission order, by id."""
+    """Groups in submission order, by id; the groups no batch took yet, by mode, and each batch's groups.
+
+    The open groups and the batches are indexes, so that looking for ended groups costs what is open,
+    not every group of the run. A group's ``batch_id`` changes through :meth:`take` and :meth:`release`.
+    """
 
     def __init__(self) -> None:
         self._groups: dict[str, Group] = {}
+        self._open: dict[RolloutMode, dict[str, Group]] = {}
+        self._batches: dict[str, list[Group]] = {}
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -61,7 +67,13 @@ class GroupBook:
 
     def add(self, group: Group) -> Group:
         """Register a group; a group already known is kept as it is."""
-        return self._groups.setdefault(group.group_id, group)
+        known = self._groups.setdefault(group.group_id, group)
+        if known is group:
+            if group.batch_id:
+                self._batches.setdefault(group.batch_id, []).append(group)
+            else:
+                self._open.setdefault(group.mode, {})[group.group_id] = group
+        return known
 
     def rebuild(self, rollouts: Iterable[Rollout]) -> None:
         """Recreate the book from the Store's trainer rollouts (after a restart)."""
@@ -84,11 +96,37 @@ class GroupBook:
     def all(self) -> list[Group]:
         return list(self._groups.values())
 
-    def of_mode(self, mode: RolloutMode) -> list[Group]:
-        return [g for g in self._groups.values() if g.mode == mode]
+    def open_of_mode(self, mode: RolloutMode) -> list[Group]:
+        """The groups of ``mode`` no batch took, in submission order."""
+        return list(self._open.get(mode, {}).values())
 
     def taken_by(self, batch_id: str) -> list[Group]:
-        return [g for g in self._groups.values() if g.batch_id == batch_id]
+        return list(self._batches.get(batch_id, ()))
+
+    def take(self, groups: Iterable[Group], batch_id: str) -> None:
+        """``groups`` (open ones) now belong to the batch ``batch_id``."""
+        modes = set()
+        for group in groups:
+            self._open.get(group.mode, {}).pop(group.group_id, None)
+            modes.add(group.mode)
+            group.batch_id = batch_id
+            self._batches.setdefault(batch_id, []).append(group)
+        for mode in modes & self._open.keys():
+            self._open[mode] = dict(self._open[mode])  # compact: a dict's removed slots are still walked
+
+    def release(self, groups: Iterable[Group]) -> None:
+        """``groups`` were taken by a batch that was not made: open again, in submission order."""
+        for group in groups:
+            taken = self._batches.get(group.batch_id, [])
+            if group in taken:
+                taken.remove(group)
+                if not taken:
+                    del self._batches[group.batch_id]
+            group.batch_id = ""
+        self._open = {}
+        for group in self._groups.values():
+            if not group.batch_id:
+                self._open.setdefault(group.mode, {})[group.group_id] = group
 
 
 def has_ended(group: Group, status_of: dict[str, RolloutStatus | None]) -> bool:
