@@ -262,8 +262,8 @@ async def test_the_in_process_sink_answers_a_refused_batch_with_its_error_and_ke
 
 
 async def test_a_shipper_keeps_nothing_of_an_attempt_once_its_spans_are_stored(tmp_path: Path) -> None:
-    """A long-lived shipper (a runner's, the proxy's) holds nothing per finished attempt, and a flush for
-    one attempt answers once that attempt's spans are stored, whatever else is outstanding."""
+    """A long-lived shipper (a runner's, the proxy's) holds nothing of an attempt once its spans are stored:
+    each attempt's flush answers True and forgets it; spans submitted for it later are counted afresh."""
     running = await start_server(ServerConfig(port=0, db=tmp_path / "store.db"))
     s = SpanShipper(CallSink(LocalStoreClient(running.store)), linger=0.05).start()
     try:
