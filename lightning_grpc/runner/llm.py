@@ -57,10 +57,25 @@ def openai_client(llm: LLM, *, max_retries: int = 6, **options: Any) -> Any:
     (HTTP 429 with Retry-After) are retried. Do not close the client: the pool outlives the rollout.
     """
     openai = _openai()
-    return openai.AsyncOpenAI(
+    client = openai.AsyncOpenAI(
         base_url=llm.endpoint,
         api_key=llm.api_key or "unused",
         http_client=shared_http_client(),
         max_retries=max_retries,
         **options,
     )
+    if getattr(client, "_platform", "") is None:
+        # The SDK finds the platform for its headers on a client's first request, in a worker thread: a
+        # thread hop per rollout, as each rollout has a client of its own. It is the same for the process.
+        client._platform = _sdk_platform()  # None (found by the SDK as before) where the SDK has no such step
+    return client
+
+
+@functools.cache
+def _sdk_platform() -> Any:
+    """The platform the OpenAI SDK names in its request headers (found once: a few ms, then cached)."""
+    try:
+        from openai._base_client import get_platform
+    except ImportError:
+        return None
+    return get_platform()
