@@ -420,19 +420,18 @@ class SpanShipper:
 
         False when ``timeout`` seconds passed first.
         """
-        with self._lock:
-            targets = [(entry, entry.submitted) for entry in self._entries(rollout_id, attempt_id)]
-        if not targets:
-            return True
-        if self._loop is None or self._closed:
-            return False
         loop = asyncio.get_running_loop()
-        waiters = []
+        waiters: list[asyncio.Future[None]] = []
         with self._lock:
-            for entry, count in targets:
-                if entry.done < count:
+            targets = self._entries(rollout_id, attempt_id)
+            if not targets:
+                return True
+            if self._loop is None or self._closed:
+                return False
+            for entry in targets:
+                if entry.done < entry.submitted:
                     waiter: asyncio.Future[None] = loop.create_future()
-                    entry.waiters.append((count, waiter))
+                    entry.waiters.append((entry.submitted, waiter))
                     waiters.append(waiter)
         if not waiters:
             return True
