@@ -173,15 +173,6 @@ _CONNECT_OPTIONS: dict[str, Any] = {
 }
 
 
-def _upsert_sql(table: str, columns: list[str]) -> str:
-    key = rows.ROW_KEYS[table]
-    updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns if c != key)
-    return (
-        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('%s' for _ in columns)})"
-        f" ON CONFLICT ({key}) DO UPDATE SET {updates}"
-    )
-
-
 def describe_url(url: str) -> str:
     """The database ``url`` names, for messages and logs: its name, host and port, never its password."""
     try:
@@ -631,7 +622,8 @@ class PostgresBackend:
                 elif kind in rows.ROW_KEYS:
                     columns = list(payload[0])
                     cur.executemany(
-                        _upsert_sql(kind, columns), [tuple(r[c] for c in columns) for r in payload]
+                        rows.upsert_sql(kind, tuple(columns), "%s"),
+                        [tuple(r[c] for c in columns) for r in payload],
                     )
                 elif kind == "changes":
                     cur.executemany(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import queue
 from collections.abc import Callable, Iterable
@@ -371,6 +372,22 @@ ROW_KEYS = {
     "workers": "worker_id",
     "resources": "resources_id",
 }
+
+
+@functools.lru_cache(maxsize=64)
+def upsert_sql(table: str, columns: tuple[str, ...], mark: str) -> str:
+    """The statement that writes a row of ``table`` (one of :data:`ROW_KEYS`) whole, ``mark`` being the
+    driver's parameter mark (``?`` or ``%s``).
+
+    A row already there is updated where it lies: a delete and a new insert (SQLite's ``INSERT OR
+    REPLACE``) would move it to a new place in the table and rewrite each of its index entries, so a
+    commit of one changed attempt dirtied several pages, not one."""
+    key = ROW_KEYS[table]
+    updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c != key)
+    return (
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(mark for _ in columns)})"
+        f" ON CONFLICT ({key}) DO UPDATE SET {updates}"
+    )
 
 
 def merged_ops(submissions: Iterable[list[Op]]) -> list[Op]:

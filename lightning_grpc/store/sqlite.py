@@ -157,12 +157,6 @@ def _insert_spans(conn: sqlite3.Connection, spans: list[tuple[Any, ...]], per_st
         conn.execute(_span_insert(len(chunk)), list(itertools.chain.from_iterable(chunk)))
 
 
-def _upsert_sql(table: str, columns: list[str]) -> str:
-    cols = ", ".join(columns)
-    marks = ", ".join("?" for _ in columns)
-    return f"INSERT OR REPLACE INTO {table} ({cols}) VALUES ({marks})"
-
-
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
     conn.execute("PRAGMA busy_timeout=30000")
@@ -422,7 +416,10 @@ class SqliteBackend:
                 _insert_spans(conn, payload, self._spans_per_insert)
             elif kind in ("rollouts", "attempts", "workers", "resources"):
                 columns = list(payload[0])
-                conn.executemany(_upsert_sql(kind, columns), [tuple(r[c] for c in columns) for r in payload])
+                conn.executemany(
+                    rows.upsert_sql(kind, tuple(columns), "?"),
+                    [tuple(r[c] for c in columns) for r in payload],
+                )
             elif kind == "changes":
                 conn.executemany(
                     "INSERT OR REPLACE INTO changes (revision, rollout_id, body) VALUES (?,?,?)", payload
@@ -432,7 +429,11 @@ class SqliteBackend:
                     conn.execute("DELETE FROM changes WHERE revision <= ?", (last - self.change_retention,))
                     self._last_pruned = last
             elif kind == "meta":
-                conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", payload)
+                conn.executemany(
+                    "INSERT INTO meta (key, value) VALUES (?, ?)"
+                    " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    payload,
+                )
             elif kind == "delete":
                 ids = [(rid,) for rid in payload]
                 conn.executemany("DELETE FROM spans WHERE rollout_id = ?", ids)

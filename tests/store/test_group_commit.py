@@ -5,6 +5,7 @@ server)."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
 import grpc
@@ -15,7 +16,7 @@ from lightning_grpc.client import StoreClient
 from lightning_grpc.errors import NotFoundError
 from lightning_grpc.server.app import ServerConfig, start_server
 from lightning_grpc.store import SpanRecord, open_store, rows
-from lightning_grpc.types import RolloutSpec, Span
+from lightning_grpc.types import AttemptStatus, RolloutSpec, RolloutStatus, Span
 from lightning_grpc.v1 import store_service_pb2 as pb
 from tests.helpers import make_spans
 
@@ -213,3 +214,32 @@ async def test_one_hand_over_answers_every_submitter_of_a_commit_and_leaves_the_
     for _, fut in failed:
         with pytest.raises(OSError, match="disk I/O error"):
             await asyncio.wait_for(fut, 5)
+
+
+async def test_a_changed_rollout_and_attempt_are_rewritten_where_they_lie(tmp_path: Path) -> None:
+    """A row that changes keeps its place in its table (SQLite's rowid) and its index entries, so a commit of
+    one changed attempt writes the pages that hold it, not a moved copy and every index anew."""
+    store = await open_store(tmp_path / "s.db")
+    try:
+        enqueued = await store.enqueue_rollouts([RolloutSpec(input={"task": i}) for i in range(3)])
+        [started] = await store.dequeue_rollouts("w", max_rollouts=1)
+        assert started.latest_attempt is not None
+        rid, aid = started.rollout_id, started.latest_attempt.attempt_id
+        for _ in range(3):
+            await store.heartbeat_attempt(rid, aid)
+        await store.complete_attempt(rid, aid, int(AttemptStatus.SUCCEEDED))
+        assert (await store.get_rollout(rid)).status == RolloutStatus.SUCCEEDED
+    finally:
+        await store.close()
+    db = sqlite3.connect(tmp_path / "s.db")
+    try:
+        in_place = db.execute("SELECT rowid, rollout_id FROM rollouts ORDER BY rowid").fetchall()
+        assert in_place == [(n + 1, r.rollout_id) for n, r in enumerate(enqueued)]
+        assert db.execute("SELECT rowid, attempt_id, status FROM attempts").fetchall() == [
+            (1, aid, int(AttemptStatus.SUCCEEDED))
+        ]
+        # the revision is written at each commit, in the row it was first written to
+        top, count = db.execute("SELECT max(rowid), count(*) FROM meta").fetchone()
+        assert count >= 2 and top == count, "a meta row was moved when it was written again"
+    finally:
+        db.close()
