@@ -243,3 +243,28 @@ async def test_a_changed_rollout_and_attempt_are_rewritten_where_they_lie(tmp_pa
         assert count >= 2 and top == count, "a meta row was moved when it was written again"
     finally:
         db.close()
+
+
+async def test_writes_whose_callers_gave_up_waiting_are_still_committed_with_the_others(
+    tmp_path: Path,
+) -> None:
+    """A caller cancelled while its write waits for the commit it shares with others cancels neither that
+    commit nor the others' waits: every write handed to the writer is stored."""
+    store = await open_store(tmp_path / "s.db")
+    try:
+        tasks = [
+            asyncio.create_task(store.enqueue_rollouts([RolloutSpec(input={"task": i})])) for i in range(40)
+        ]
+        await asyncio.sleep(0)  # each has handed its write over and waits for the commit
+        for task in tasks[::2]:
+            task.cancel()
+        kept = await asyncio.gather(*tasks[1::2])
+        assert len(kept) == 20 and all(len(r) == 1 for r in kept)
+        assert all(t.cancelled() for t in tasks[::2])
+    finally:
+        await store.close()
+    reopened = await open_store(tmp_path / "s.db")
+    try:
+        assert len(await reopened.list_rollouts()) == 40
+    finally:
+        await reopened.close()
