@@ -96,7 +96,7 @@ class RunnerCalls:
         message: str = "",
         metadata: Mapping[str, Any] | None = None,
         *,
-        spans: Iterable[t.Span | span_pb2.Span] = (),
+        spans: Iterable[t.Span | span_pb2.Span | bytes] = (),
     ) -> tuple[t.Attempt, t.Rollout]:
         """Report an attempt's outcome; ``spans`` are stored in the same commit.
 
@@ -108,7 +108,7 @@ class RunnerCalls:
             status: The outcome (SUCCEEDED, FAILED, ...: an :class:`AttemptStatus`, its name or number).
             message: A status message (why it failed).
             metadata: JSON metadata kept with the attempt.
-            spans: Spans stored with the outcome.
+            spans: Spans stored with the outcome (a serialized ``lightning.v1.Span`` may be given as its bytes).
 
         Returns:
             (attempt, rollout) as they are after the report.
@@ -129,7 +129,7 @@ class RunnerCalls:
         status: t.AttemptStatus | str | int,
         message: str = "",
         *,
-        spans: Iterable[t.Span | span_pb2.Span] = (),
+        spans: Iterable[t.Span | span_pb2.Span | bytes] = (),
         worker_id: str = "",
         limit: int = 1,
         wait: float | None = None,
@@ -143,7 +143,7 @@ class RunnerCalls:
             attempt_id: The attempt.
             status: The outcome (an :class:`AttemptStatus`, its name or number).
             message: A status message (why it failed).
-            spans: Spans stored with the outcome.
+            spans: Spans stored with the outcome (a serialized ``lightning.v1.Span`` may be given as its bytes).
             worker_id: The worker claiming the next rollouts.
             limit: The most rollouts to claim.
             wait: How long to wait for a rollout when the queue is empty, in seconds (None: not at all).
@@ -172,7 +172,7 @@ class RunnerCalls:
         status: t.AttemptStatus | str | int,
         message: str,
         metadata: Mapping[str, Any] | None,
-        spans: Iterable[t.Span | span_pb2.Span],
+        spans: Iterable[t.Span | span_pb2.Span | bytes],
     ) -> pb.CompleteAttemptRequest:
         request = pb.CompleteAttemptRequest(
             rollout_id=rollout_id,
@@ -183,7 +183,9 @@ class RunnerCalls:
         if metadata is not None:
             convert.dict_to_struct(metadata, request.metadata, "metadata")
         for s in spans:
-            if isinstance(s, span_pb2.Span):
+            if isinstance(s, bytes):
+                request.spans.add().MergeFromString(s)
+            elif isinstance(s, span_pb2.Span):
                 request.spans.append(s)
             else:
                 convert.span_to_pb(s, request.spans.add())

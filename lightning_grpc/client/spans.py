@@ -125,6 +125,8 @@ class ShipperStats:
     rejected: int = 0
     #: Spans still unsent when the shipper closed.
     lost: int = 0
+    #: Spans taken back unsent by their caller, to store with their attempt's outcome (:meth:`SpanShipper.take`).
+    taken: int = 0
     #: Batches sent again after a transient error.
     retried: int = 0
     #: Streams opened again after one broke.
@@ -393,6 +395,47 @@ class SpanShipper:
             full = len(bucket) >= self.max_batch
         if full or not self.linger:
             self._wake_up()
+
+    def take(self, rollout_id: str, attempt_id: str) -> list[bytes]:
+        """Take back the attempt's spans not sent yet (any thread): the caller stores them itself, with the
+        attempt's outcome (``CompleteAttempt``'s spans, one commit and no batch of their own), and this
+        shipper forgets them. Spans already sent stay (flush for them), as do tracked ones; nothing is taken
+        while a flush waits for the attempt. :meth:`give_back` returns them if the caller cannot store them.
+        """
+        key = (rollout_id, attempt_id)
+        with self._lock:
+            entry = self._outstanding.get(key)
+            spans = self._pending.get(key)
+            if entry is None or not spans or entry.waiters:
+                return []
+            del self._pending[key]
+            entry.submitted -= len(spans)
+            self._submitted -= len(spans)
+            self.stats.taken += len(spans)
+            if entry.done >= entry.submitted:
+                del self._outstanding[key]
+        return spans
+
+    def give_back(self, rollout_id: str, attempt_id: str, spans: list[bytes]) -> None:
+        """Queue again spans :meth:`take` took, which their caller could not store (any thread)."""
+        if not spans:
+            return
+        key = (rollout_id, attempt_id)
+        with self._lock:
+            self._pending[key][:0] = spans  # ahead of any submitted since they were taken
+            entry = self._outstanding.get(key)
+            if entry is None:
+                entry = self._outstanding[key] = _Outstanding()
+            entry.submitted += len(spans)
+            self._submitted += len(spans)
+            self.stats.taken -= len(spans)
+        self._wake_up()
+
+    def settled(self, rollout_id: str | None = None, attempt_id: str | None = None) -> bool:
+        """Whether nothing submitted (for one attempt, or all) waits to be stored or given up: a flush
+        would answer True at once (any thread)."""
+        with self._lock:
+            return not self._entries(rollout_id, attempt_id)
 
     def track(
         self,
@@ -719,6 +762,14 @@ class SpanStreamer:
         """Queue one serialized ``lightning.v1.Span`` for its attempt."""
         self.shipper.submit(rollout_id, attempt_id, span)
 
+    def take(self, rollout_id: str, attempt_id: str) -> list[bytes]:
+        """The attempt's spans not sent yet, taken back to store with its outcome (:meth:`SpanShipper.take`)."""
+        return self.shipper.take(rollout_id, attempt_id)
+
+    def give_back(self, rollout_id: str, attempt_id: str, spans: list[bytes]) -> None:
+        """Queue again spans :meth:`take` took, which could not be stored with the outcome."""
+        self.shipper.give_back(rollout_id, attempt_id, spans)
+
     def flush(
         self, rollout_id: str | None = None, attempt_id: str | None = None, timeout: float = 30.0
     ) -> bool:
@@ -732,6 +783,8 @@ class SpanStreamer:
         self, rollout_id: str | None = None, attempt_id: str | None = None, timeout: float = 30.0
     ) -> bool:
         """``flush`` for coroutines (does not block the caller's event loop)."""
+        if self.shipper.settled(rollout_id, attempt_id):
+            return True  # nothing to wait for: no trip to the streamer's thread and back
         fut = asyncio.run_coroutine_threadsafe(
             self.shipper.flush(rollout_id, attempt_id, timeout), self._loop
         )

@@ -314,7 +314,7 @@ class SyncStoreClient(_BlockingLoop):
         message: str = "",
         metadata: Mapping[str, Any] | None = None,
         *,
-        spans: Iterable[t.Span | span_pb2.Span] = (),
+        spans: Iterable[t.Span | span_pb2.Span | bytes] = (),
     ) -> tuple[t.Attempt, t.Rollout]:
         return self._run(
             self._client.complete_attempt(rollout_id, attempt_id, status, message, metadata, spans=spans)
@@ -327,7 +327,7 @@ class SyncStoreClient(_BlockingLoop):
         status: t.AttemptStatus | str | int,
         message: str = "",
         *,
-        spans: Iterable[t.Span | span_pb2.Span] = (),
+        spans: Iterable[t.Span | span_pb2.Span | bytes] = (),
         worker_id: str = "",
         limit: int = 1,
         wait: float | None = None,

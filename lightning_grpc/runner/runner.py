@@ -326,18 +326,10 @@ class Runner:
             if error is not None:
                 root.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:1000]))
             await self._call_hooks("on_trace_end", r)
-        if self._streamer is not None:
-            stored = await self._streamer.aflush(r.rollout_id, attempt.attempt_id, timeout=self.spans_timeout)
-            if not stored:
-                log.warning(
-                    "event=spans_not_flushed rollout_id=%s attempt_id=%s", r.rollout_id, attempt.attempt_id
-                )
-                if error is None and not ctx.stop.is_set():
-                    error = SpansNotAcknowledged(
-                        f"the store did not acknowledge this attempt's spans within {self.spans_timeout:g} s "
-                        "(Runner spans_timeout): it is reported failed rather than succeeded without them"
-                    )
-        final = await self._report(r, ctx, error)
+        # The attempt's spans not sent yet go with its outcome, in the same commit: no batch of their own.
+        last_spans = self._streamer.take(r.rollout_id, ctx.attempt_id) if self._streamer else []
+        error = await self._flush_spans(r, ctx, error)
+        final, error = await self._report(r, ctx, error, last_spans)
         if self._processor is not None:
             self._processor.unroute(ctx.attempt_id)
         outcome = RolloutOutcome(final, result, error, ctx.stop.is_set())
@@ -393,28 +385,53 @@ class Runner:
                 agent_task.cancel()
                 return
 
-    async def _report(self, r: Rollout, ctx: AttemptContext, error: BaseException | None) -> Rollout:
+    async def _flush_spans(
+        self, r: Rollout, ctx: AttemptContext, error: BaseException | None
+    ) -> BaseException | None:
+        """Wait until the attempt's spans sent so far are stored: the error to report if they are not."""
+        if self._streamer is None:
+            return error
+        stored = await self._streamer.aflush(r.rollout_id, ctx.attempt_id, timeout=self.spans_timeout)
+        if stored:
+            return error
+        log.warning("event=spans_not_flushed rollout_id=%s attempt_id=%s", r.rollout_id, ctx.attempt_id)
+        if error is None and not ctx.stop.is_set():
+            return SpansNotAcknowledged(
+                f"the store did not acknowledge this attempt's spans within {self.spans_timeout:g} s "
+                "(Runner spans_timeout): it is reported failed rather than succeeded without them"
+            )
+        return error
+
+    async def _report(
+        self, r: Rollout, ctx: AttemptContext, error: BaseException | None, spans: list[bytes]
+    ) -> tuple[Rollout, BaseException | None]:
+        """Report the outcome with ``spans``, the attempt's last ones: the rollout after it, and the error
+        reported. Spans it cannot store go back to the streamer; refused with the outcome, they are sent and
+        flushed on their own, then the outcome follows without them, as it would have been reported had they
+        never been taken (failed, if they are not acknowledged in time)."""
         attempt_id = ctx.attempt_id
         try:
             if ctx.stop.is_set():
-                return await self.client.get_rollout(r.rollout_id)
-            if error is None:
-                _, final = await self.session.complete_attempt(r.rollout_id, attempt_id, "succeeded")
-            else:
-                message = f"{type(error).__name__}: {error}"[:4000]
-                by_agent = not isinstance(error, SpansNotAcknowledged)
+                self._give_back(r, ctx, spans)
+                return await self.client.get_rollout(r.rollout_id), error
+            try:
+                return await self._complete(r, attempt_id, error, spans), error
+            except (FailedPreconditionError, NotFoundError):
+                self._give_back(r, ctx, spans)
+                raise
+            except LightningError as exc:
+                if not spans:
+                    raise
                 log.warning(
-                    "event=%s rollout_id=%s attempt_id=%s error=%s",
-                    "agent_failed" if by_agent else "spans_not_acknowledged",
+                    "event=last_spans_refused rollout_id=%s attempt_id=%s spans=%d error=%s",
                     r.rollout_id,
                     attempt_id,
-                    message,
-                    exc_info=error if by_agent else None,
+                    len(spans),
+                    exc,
                 )
-                _, final = await self.session.complete_attempt(
-                    r.rollout_id, attempt_id, "failed", message, {semconv.ATTEMPT_ERROR: error_record(error)}
-                )
-            return final
+                self._give_back(r, ctx, spans)
+                error = await self._flush_spans(r, ctx, error)
+                return await self._complete(r, attempt_id, error, []), error
         except (FailedPreconditionError, NotFoundError) as exc:
             log.info(
                 "event=report_refused rollout_id=%s attempt_id=%s reason=%s",
@@ -423,9 +440,39 @@ class Runner:
                 exc.reason,
             )
             try:
-                return await self.client.get_rollout(r.rollout_id)
+                return await self.client.get_rollout(r.rollout_id), error
             except LightningError:
-                return r
+                return r, error
+
+    async def _complete(
+        self, r: Rollout, attempt_id: str, error: BaseException | None, spans: list[bytes]
+    ) -> Rollout:
+        if error is None:
+            _, final = await self.session.complete_attempt(r.rollout_id, attempt_id, "succeeded", spans=spans)
+            return final
+        message = f"{type(error).__name__}: {error}"[:4000]
+        by_agent = not isinstance(error, SpansNotAcknowledged)
+        log.warning(
+            "event=%s rollout_id=%s attempt_id=%s error=%s",
+            "agent_failed" if by_agent else "spans_not_acknowledged",
+            r.rollout_id,
+            attempt_id,
+            message,
+            exc_info=error if by_agent else None,
+        )
+        _, final = await self.session.complete_attempt(
+            r.rollout_id,
+            attempt_id,
+            "failed",
+            message,
+            {semconv.ATTEMPT_ERROR: error_record(error)},
+            spans=spans,
+        )
+        return final
+
+    def _give_back(self, r: Rollout, ctx: AttemptContext, spans: list[bytes]) -> None:
+        if spans and self._streamer is not None:
+            self._streamer.give_back(r.rollout_id, ctx.attempt_id, spans)
 
     async def _drain(self) -> None:
         if not self._active:

@@ -288,6 +288,44 @@ async def test_a_shipper_keeps_nothing_of_an_attempt_once_its_spans_are_stored(t
         await running.stop()
 
 
+async def test_spans_taken_back_are_forgotten_and_those_given_back_are_sent(tmp_path: Path) -> None:
+    """``take`` hands over an attempt's unsent spans and forgets them (a flush has nothing to wait for);
+    spans already sent stay; nothing is taken while a flush waits; ``give_back`` sends them after all."""
+    running = await start_server(ServerConfig(port=0, db=tmp_path / "store.db"))
+    s = SpanShipper(CallSink(LocalStoreClient(running.store)), linger=60.0).start()
+    try:
+        async with StoreClient(f"127.0.0.1:{running.port}") as client:
+            r = await client.start_rollout({"i": 0})
+            assert r.latest_attempt is not None
+            key = (r.rollout_id, r.latest_attempt.attempt_id)
+            assert s.settled(*key) and s.take(*key) == []
+            first = [body(make_span(*key, n=i)) for i in range(3)]
+            for span in first:
+                s.submit(*key, span)
+            assert not s.settled(*key)
+            taken = s.take(*key)
+            assert taken == first and s.settled(*key) and s.settled()
+            assert (s.pending, s.attempts_pending, s.stats.taken) == (0, 0, 3)
+            assert await s.flush(*key, timeout=1)  # nothing to wait for
+            assert await client.query_spans(r.rollout_id) == []  # and nothing was sent
+
+            s.submit(*key, body(make_span(*key, n=3)))
+            waiting = asyncio.create_task(s.flush(*key, timeout=10))
+            await asyncio.sleep(0.05)
+            assert s.take(*key) == []  # a flush waits for this one: it is sent, not taken
+            assert await waiting
+
+            s.give_back(*key, taken)
+            assert (s.pending, s.stats.taken) == (3, 0)
+            assert await s.flush(*key, timeout=10)
+            stored = await client.query_spans(r.rollout_id)
+            assert sorted(sp.attributes["n"] for sp in stored) == [0, 1, 2, 3]
+            assert s.stats.acknowledged == 4 and s.settled()
+    finally:
+        await s.aclose()
+        await running.stop()
+
+
 # ------------------------------------------------------------------ a stream that broke
 
 

@@ -657,6 +657,52 @@ async def test_one_rollout_is_one_trace_under_one_root_span_per_attempt(
     assert first.status_code == 2 and "first try fails" in first.status_message
 
 
+async def test_the_spans_an_attempt_has_not_sent_by_its_end_are_stored_with_its_outcome(
+    server: RunningServer, client: StoreClient
+) -> None:
+    """What an attempt's spans wait for when it ends goes with its outcome (CompleteAttempt's spans, one
+    commit), succeeded or failed: no batch of their own, each span stored once, in the order it ended."""
+    from opentelemetry import trace
+
+    from lightning_grpc.client.spans import SpanStreamer
+
+    target = f"127.0.0.1:{server.port}"
+    processor = install_tracing()
+    streamer = SpanStreamer(target, linger=60.0)  # nothing is cut into a batch unless a flush asks
+    processor.streamers[target] = streamer
+
+    @rollout
+    async def agent(task: Any, rollout: Any) -> None:
+        tracer = trace.get_tracer("tests.last_spans")
+        for step in range(3):
+            with tracer.start_as_current_span(f"step-{step}"):
+                pass
+        emit_reward(1.0)
+        if task["fail"]:
+            raise RuntimeError("this one fails")
+
+    try:
+        ok = await client.enqueue_rollout({"fail": False})
+        failing = await client.enqueue_rollout({"fail": True})
+        runner = Runner(agent, target, max_rollouts=2, poll_wait=0.2)
+        assert await runner.run() == 2
+        assert (runner.succeeded, runner.failed) == (1, 1)
+        stored = 0
+        for queued, status in ((ok, RolloutStatus.SUCCEEDED), (failing, RolloutStatus.FAILED)):
+            assert (await client.get_rollout(queued.rollout_id)).status == status
+            spans = sorted(await client.query_spans(queued.rollout_id), key=lambda s: s.sequence_id)
+            names = [s.name for s in spans]
+            assert names[:3] == ["step-0", "step-1", "step-2"] and names[-1] == semconv.SPAN_ROLLOUT
+            assert semconv.SPAN_REWARD in names and len(set(s.span_id for s in spans)) == len(spans)
+            stored += len(spans)
+        stats = streamer.stats
+        assert stats.taken == stats.submitted == stored and stats.acknowledged == 0
+        assert streamer.shipper.pending == 0 and streamer.shipper.attempts_pending == 0
+    finally:
+        processor.streamers.pop(target, None)
+        streamer.close()
+
+
 def test_a_stop_before_the_runner_starts_is_kept(server_process: Any) -> None:
     """A SIGTERM that reaches a runner process before its loop runs calls stop() on a runner built outside
     any event loop: the runner must still stop as soon as it starts, not run on with the request lost."""
