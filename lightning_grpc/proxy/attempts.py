@@ -1,7 +1,9 @@
 """Which calls the proxy takes: only those of an attempt that is still running.
 
 Admission is one attempt heartbeat in the Store (so the call also counts as a sign of life) plus,
-on a rollout's first call, a read of the rollout for its mode (train rollouts get log-probs).
+on a rollout's first call, a read of the rollout for its mode (train rollouts get log-probs). With the
+Store in this process, a heartbeat that moves only the attempt's heartbeat time is not committed on its
+own: the call's span, stored when the call ends, writes the attempt with it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ class AttemptGate:
         if rollout_id not in self._modes:
             mode_task = asyncio.create_task(self._read_mode(rollout_id))
         try:
-            beat = await self.client.heartbeat_attempt(rollout_id, attempt_id)
+            if isinstance(self.client, LocalStoreClient):  # the call's span carries the heartbeat's time
+                beat = await self.client.admit_call(rollout_id, attempt_id)
+            else:
+                beat = await self.client.heartbeat_attempt(rollout_id, attempt_id)
         except NotFoundError:
             raise Refused(
                 404, "attempt_not_found", f"rollout {rollout_id!r} has no attempt {attempt_id!r}"

@@ -268,3 +268,41 @@ async def test_writes_whose_callers_gave_up_waiting_are_still_committed_with_the
         assert len(await reopened.list_rollouts()) == 40
     finally:
         await reopened.close()
+
+
+async def test_a_calls_heartbeat_that_moves_only_its_time_is_written_with_the_attempts_next_write(
+    tmp_path: Path,
+) -> None:
+    """The proxy's heartbeat for a call (``for_call``) commits what moves the attempt's status before it
+    answers; one that moves only the heartbeat time is kept in memory and written with the attempt's next
+    write (the call's span), while a runner's heartbeat is committed at once."""
+    now = [1000.0]
+    store = await open_store(tmp_path / "s.db", clock=lambda: now[0])
+
+    def on_disk() -> tuple[int, float]:
+        with sqlite3.connect(tmp_path / "s.db") as db:
+            status, beat = db.execute("SELECT status, last_heartbeat_time FROM attempts").fetchone()
+        return int(status), float(beat)
+
+    try:
+        rollout = await store.start_rollout(RolloutSpec(input={"task": 1}), "w")
+        assert rollout.latest_attempt is not None
+        rid, aid = rollout.rollout_id, rollout.latest_attempt.attempt_id
+        now[0] = 1001.0
+        first = await store.heartbeat_attempt(rid, aid, for_call=True)  # PREPARING -> RUNNING
+        assert first.attempt.status == AttemptStatus.RUNNING
+        assert on_disk() == (int(AttemptStatus.RUNNING), 1001.0)
+        now[0] = 1002.0
+        second = await store.heartbeat_attempt(rid, aid, for_call=True)
+        assert second.attempt.last_heartbeat_time == 1002.0 and not second.should_stop
+        assert on_disk() == (int(AttemptStatus.RUNNING), 1001.0)  # not committed on its own
+        now[0] = 1003.0
+        stored = store.submit_spans(records(make_spans(1)), rid, aid)  # the call's span
+        if stored.durable is not None:
+            await stored.durable
+        assert on_disk() == (int(AttemptStatus.RUNNING), 1003.0)
+        now[0] = 1004.0
+        await store.heartbeat_attempt(rid, aid)  # a runner's heartbeat: committed before it answers
+        assert on_disk() == (int(AttemptStatus.RUNNING), 1004.0)
+    finally:
+        await store.close()

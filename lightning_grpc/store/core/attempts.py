@@ -41,13 +41,23 @@ class AttemptsSection(SpanStaging):
             total_size=len(attempts),
         )
 
-    async def heartbeat_attempt(self, rollout_id: str, attempt_id: str) -> AttemptHeartbeat:
-        """Keep an attempt alive; tell the runner whether to go on."""
+    async def heartbeat_attempt(
+        self, rollout_id: str, attempt_id: str, *, for_call: bool = False
+    ) -> AttemptHeartbeat:
+        """Keep an attempt alive; tell the runner whether to go on.
+
+        ``for_call``: the sign of life of an LLM call the proxy in this process is about to forward, which
+        stores the call's span, and with it the attempt, once the call ends. A heartbeat that moves nothing
+        but the attempt's heartbeat time is then written with that span, not committed on its own while the
+        call waits (one commit less a call); one that moves the attempt's status is committed first, as
+        always.
+        """
         self._check_writable()
         rs, ast = self._attempt(rollout_id, attempt_id)
         tx = Txn()
         self._touch(rs, ast, self.clock(), tx)
-        await self._apply(tx)
+        if not (for_call and not tx.changes):
+            await self._apply(tx)
         a = ast.attempt
         cancelled = rs.rollout.status == RolloutStatus.CANCELLED
         return AttemptHeartbeat(
