@@ -414,6 +414,7 @@ class Runner:
             if ctx.stop.is_set():
                 self._give_back(r, ctx, spans)
                 return await self.client.get_rollout(r.rollout_id), error
+            self._log_failure(r, attempt_id, error)
             try:
                 return await self._complete(r, attempt_id, error, spans), error
             except (FailedPreconditionError, NotFoundError):
@@ -430,8 +431,10 @@ class Runner:
                     exc,
                 )
                 self._give_back(r, ctx, spans)
-                error = await self._flush_spans(r, ctx, error)
-                return await self._complete(r, attempt_id, error, []), error
+                flushed = await self._flush_spans(r, ctx, error)
+                if flushed is not error:
+                    self._log_failure(r, attempt_id, flushed)
+                return await self._complete(r, attempt_id, flushed, []), flushed
         except (FailedPreconditionError, NotFoundError) as exc:
             log.info(
                 "event=report_refused rollout_id=%s attempt_id=%s reason=%s",
@@ -450,25 +453,29 @@ class Runner:
         if error is None:
             _, final = await self.session.complete_attempt(r.rollout_id, attempt_id, "succeeded", spans=spans)
             return final
-        message = f"{type(error).__name__}: {error}"[:4000]
+        _, final = await self.session.complete_attempt(
+            r.rollout_id,
+            attempt_id,
+            "failed",
+            _failure_message(error),
+            {semconv.ATTEMPT_ERROR: error_record(error)},
+            spans=spans,
+        )
+        return final
+
+    @staticmethod
+    def _log_failure(r: Rollout, attempt_id: str, error: BaseException | None) -> None:
+        if error is None:
+            return
         by_agent = not isinstance(error, SpansNotAcknowledged)
         log.warning(
             "event=%s rollout_id=%s attempt_id=%s error=%s",
             "agent_failed" if by_agent else "spans_not_acknowledged",
             r.rollout_id,
             attempt_id,
-            message,
+            _failure_message(error),
             exc_info=error if by_agent else None,
         )
-        _, final = await self.session.complete_attempt(
-            r.rollout_id,
-            attempt_id,
-            "failed",
-            message,
-            {semconv.ATTEMPT_ERROR: error_record(error)},
-            spans=spans,
-        )
-        return final
 
     def _give_back(self, r: Rollout, ctx: AttemptContext, spans: list[bytes]) -> None:
         if spans and self._streamer is not None:
@@ -525,6 +532,10 @@ class Runner:
                 await _maybe_await(getattr(hook, name)(*args))
             except Exception as exc:
                 log.warning("event=hook_failed hook=%s method=%s error=%r", type(hook).__name__, name, exc)
+
+
+def _failure_message(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:4000]
 
 
 def _record_result(result: Any) -> None:
