@@ -47,19 +47,9 @@ class LocalStoreClient:
         return await self.store.heartbeat_attempt(rollout_id, attempt_id)
 
     async def admit_call(self, rollout_id: str, attempt_id: str) -> AttemptHeartbeat:
-        """:meth:`heartbeat_attempt` for an LLM call about to be forwarded, whose span this process stores
-        once it ends: a heartbeat that moves only the attempt's heartbeat time is written with that span.
-
-        Args:
-            rollout_id: The rollout.
-            attempt_id: The attempt.
-
-        Returns:
-            The attempt, its rollout's status, and whether it was cancelled or should stop.
-
-        Raises:
-            NotFoundError: No such rollout or attempt.
-        """
+        """:meth:`heartbeat_attempt` (same arguments, answer and errors) for an LLM call about to be
+        forwarded, whose span this process stores once it ends: a heartbeat that moves only the attempt's
+        heartbeat time is written with that span, not committed on its own."""
         return await self.store.heartbeat_attempt(rollout_id, attempt_id, for_call=True)
 
     async def get_rollout(self, rollout_id: str) -> t.Rollout:

@@ -316,8 +316,9 @@ class _Outbox:
 class SpanShipper:
     """Batches, sends, acknowledges and, when the Store could not take them, retries or gives up spans.
 
-    Create it anywhere, then :meth:`start` it inside the event loop it is to run in. :meth:`submit`
-    may be called from any thread; :meth:`track`, :meth:`flush` and :meth:`aclose` from that loop.
+    Create it anywhere, then :meth:`start` it inside the event loop it is to run in. :meth:`submit`,
+    :meth:`take`, :meth:`give_back` and :meth:`settled` may be called from any thread; :meth:`track`,
+    :meth:`flush` and :meth:`aclose` from that loop.
     ``linger`` is how long spans wait for more of their attempt before a batch is cut (0: at once;
     spans that arrive while a batch is in flight still share the next one). Log lines are
     ``event={name}_batch_retry``, ``{name}_batch_refused``, ``{name}_stream_broken`` and
