@@ -39,6 +39,8 @@ class Refused(Exception):
 class AttemptGate:
     def __init__(self, client: StoreClient | LocalStoreClient, *, mode_cache_size: int = 10_000) -> None:
         self.client = client
+        # in this process, the call's span carries the heartbeat's time (LocalStoreClient.admit_call)
+        self._beat = client.admit_call if isinstance(client, LocalStoreClient) else client.heartbeat_attempt
         self._modes: OrderedDict[str, RolloutMode] = OrderedDict()
         self._cache_size = mode_cache_size
 
@@ -48,10 +50,7 @@ class AttemptGate:
         if rollout_id not in self._modes:
             mode_task = asyncio.create_task(self._read_mode(rollout_id))
         try:
-            if isinstance(self.client, LocalStoreClient):  # the call's span carries the heartbeat's time
-                beat = await self.client.admit_call(rollout_id, attempt_id)
-            else:
-                beat = await self.client.heartbeat_attempt(rollout_id, attempt_id)
+            beat = await self._beat(rollout_id, attempt_id)
         except NotFoundError:
             raise Refused(
                 404, "attempt_not_found", f"rollout {rollout_id!r} has no attempt {attempt_id!r}"

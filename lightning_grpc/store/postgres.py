@@ -620,11 +620,7 @@ class PostgresBackend:
                 if kind == "spans":
                     cur.executemany(_SPAN_INSERT, payload)
                 elif kind in rows.ROW_KEYS:
-                    columns = list(payload[0])
-                    cur.executemany(
-                        rows.upsert_sql(kind, tuple(columns), "%s"),
-                        [tuple(r[c] for c in columns) for r in payload],
-                    )
+                    cur.executemany(*rows.upsert(kind, payload, "%s"))
                 elif kind == "changes":
                     cur.executemany(
                         "INSERT INTO changes (revision, rollout_id, body) VALUES (%s, %s, %s)"

@@ -374,6 +374,12 @@ ROW_KEYS = {
 }
 
 
+def upsert(table: str, payload: list[dict[str, Any]], mark: str) -> tuple[str, list[tuple[Any, ...]]]:
+    """The statement and parameters that write ``payload``'s rows of ``table`` whole (see :func:`upsert_sql`)."""
+    columns = tuple(payload[0])
+    return upsert_sql(table, columns, mark), [tuple(r[c] for c in columns) for r in payload]
+
+
 @functools.lru_cache(maxsize=64)
 def upsert_sql(table: str, columns: tuple[str, ...], mark: str) -> str:
     """The statement that writes a row of ``table`` (one of :data:`ROW_KEYS`) whole, ``mark`` being the

@@ -414,12 +414,8 @@ class SqliteBackend:
         for kind, payload in ops:
             if kind == "spans":
                 _insert_spans(conn, payload, self._spans_per_insert)
-            elif kind in ("rollouts", "attempts", "workers", "resources"):
-                columns = list(payload[0])
-                conn.executemany(
-                    rows.upsert_sql(kind, tuple(columns), "?"),
-                    [tuple(r[c] for c in columns) for r in payload],
-                )
+            elif kind in rows.ROW_KEYS:
+                conn.executemany(*rows.upsert(kind, payload, "?"))
             elif kind == "changes":
                 conn.executemany(
                     "INSERT OR REPLACE INTO changes (revision, rollout_id, body) VALUES (?,?,?)", payload

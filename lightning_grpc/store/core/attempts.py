@@ -56,7 +56,7 @@ class AttemptsSection(SpanStaging):
         rs, ast = self._attempt(rollout_id, attempt_id)
         tx = Txn()
         self._touch(rs, ast, self.clock(), tx)
-        if not (for_call and not tx.changes):
+        if tx.changes or not for_call:
             await self._apply(tx)
         a = ast.attempt
         cancelled = rs.rollout.status == RolloutStatus.CANCELLED
