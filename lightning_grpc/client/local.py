@@ -8,7 +8,7 @@ with the same results and the same typed errors as :class:`~lightning_grpc.clien
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 
 from lightning_grpc import convert
 from lightning_grpc import types as t
@@ -122,6 +122,27 @@ class LocalStoreClient:
             InvalidArgumentError: A malformed span.
         """
         return await self.store.add_spans(convert.span_records(spans), rollout_id, attempt_id)
+
+    def submit_span_bytes(
+        self, spans: Sequence[bytes], rollout_id: str = "", attempt_id: str = ""
+    ) -> Awaitable[None] | None:
+        """:meth:`add_span_bytes` up to the wait for its commit: the spans are checked, numbered and handed to
+        the Store now (in this call, with nothing awaited).
+
+        Args:
+            spans: The serialized spans.
+            rollout_id: The rollout of spans that do not name one.
+            attempt_id: The attempt of spans that do not name one.
+
+        Returns:
+            None when the spans are already stored (a Store in memory); else the wait for their commit,
+            which raises what the commit raised (await it to know they are stored).
+
+        Raises:
+            NotFoundError: No such rollout or attempt.
+            InvalidArgumentError: A malformed span.
+        """
+        return self.store.submit_spans(convert.span_records(spans), rollout_id, attempt_id).durable
 
     async def statistics(self) -> t.Statistics:
         """The store's counts, backend and sizes, with the keys :meth:`StoreClient.statistics` answers.

@@ -10,13 +10,19 @@ spans are given up, each logged. What is the proxy's own stays here: a span larg
 accepts is sent once more with its request and response left out.
 
 :meth:`SpanRecorder.record` resolves once the span is stored, so a caller can hold the end of a
-response until then (bounded by a wait it chooses).
+response until then (bounded by a wait it chooses). With the Store in this process it hands the span to
+the Store itself, with nothing in between: stored at once in memory, or as soon as its commit is durable.
+Under load the shipper's hand-overs (its batcher, its sender, the answer) each waited for a turn of the
+busy event loop, and that wait held every answer for a few milliseconds. The shipper still takes the
+span when the Store refuses it or its commit fails (it retries or gives up, as for any span), and while
+it holds spans of the same attempt (so that an attempt's spans keep the order its calls ended in).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Awaitable
 
 from lightning_grpc import convert, logs, semconv
 from lightning_grpc.client import StoreClient
@@ -59,6 +65,9 @@ class SpanRecorder:
             name="proxy_span",
         )
         self._started = False
+        self._stored_directly = 0
+        #: Commits of spans handed to the Store here, not yet durable.
+        self._commits: set[asyncio.Future[bool]] = set()
 
     def start(self) -> SpanRecorder:
         if not self._started:
@@ -68,7 +77,7 @@ class SpanRecorder:
 
     @property
     def stored(self) -> int:
-        return self.shipper.stats.acknowledged
+        return self.shipper.stats.acknowledged + self._stored_directly
 
     @property
     def dropped(self) -> int:
@@ -81,14 +90,21 @@ class SpanRecorder:
 
     def submit(self, span: Span) -> asyncio.Future[bool]:
         """Queue a span; the future says True once stored, False if it had to be given up."""
-        body = convert.span_to_pb(span).SerializeToString()
+        return self._track(span, convert.span_to_pb(span).SerializeToString())
+
+    def _track(self, span: Span, body: bytes) -> asyncio.Future[bool]:
         return self.shipper.track(
             span.rollout_id, span.attempt_id, body, shrink=functools.partial(_without_payload, span)
         )
 
     async def record(self, span: Span, wait: float) -> bool:
-        """Queue a span and wait up to ``wait`` seconds for the Store; it stays queued after that."""
-        done = self.submit(span)
+        """Store a span, waiting up to ``wait`` seconds for the Store; one not stored by then stays queued."""
+        body = convert.span_to_pb(span).SerializeToString()
+        done = self._store_here(span, body)
+        if done is None:
+            done = self._track(span, body)
+        elif done.done():
+            return done.result()
         if wait <= 0:
             return done.done() and done.result()
         try:
@@ -97,7 +113,42 @@ class SpanRecorder:
             log.warning("event=proxy_span_slow span_id=%s waited_s=%.1f", span.span_id, wait)
             return False
 
+    def _store_here(self, span: Span, body: bytes) -> asyncio.Future[bool] | None:
+        """Hand the span to a Store in this process: a future that says whether it is stored (done at once
+        when the Store needs no commit), or None where the shipper is to take it: no Store here, spans of
+        the attempt still with the shipper, or a span the Store refused (the shipper retries what passes and
+        gives up the rest, logged)."""
+        if not isinstance(self.client, LocalStoreClient) or not self.shipper.settled(
+            span.rollout_id, span.attempt_id
+        ):
+            return None
+        try:
+            durable = self.client.submit_span_bytes([body], span.rollout_id, span.attempt_id)
+        except LightningError:
+            return None
+        if durable is None:
+            self._stored_directly += 1
+            done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            done.set_result(True)
+            return done
+        commit = asyncio.ensure_future(self._committed_or_resent(durable, span, body))
+        self._commits.add(commit)
+        commit.add_done_callback(self._commits.discard)
+        return commit
+
+    async def _committed_or_resent(self, durable: Awaitable[None], span: Span, body: bytes) -> bool:
+        """Whether the span is stored: its commit, or else the shipper's resend (its span id makes a
+        resend of a span that was stored after all harmless)."""
+        try:
+            await durable
+        except LightningError:
+            return await self._track(span, body)
+        self._stored_directly += 1
+        return True
+
     async def close(self, timeout: float = 10.0) -> None:
         """Write what is queued (trying for up to ``timeout`` seconds), then stop."""
+        if self._commits:  # their spans go to the shipper if their commit fails
+            await asyncio.wait(set(self._commits), timeout=timeout)
         if self._started:
             await self.shipper.aclose(timeout)

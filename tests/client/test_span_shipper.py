@@ -54,6 +54,9 @@ class FakeStore(LocalStoreClient):
         self.stored: list[bytes] = []
 
     async def add_span_bytes(self, spans: Sequence[bytes], rollout_id: str, attempt_id: str) -> None:
+        self.submit_span_bytes(spans, rollout_id, attempt_id)
+
+    def submit_span_bytes(self, spans: Sequence[bytes], rollout_id: str = "", attempt_id: str = "") -> None:
         self.calls.append(len(spans))
         error = self.answer(list(spans))
         if error is not None:
@@ -118,6 +121,47 @@ async def test_the_recorder_leaves_out_the_payload_of_a_span_too_large_for_the_s
     assert kept[small.span_id].attributes[semconv.LLM_REQUEST] == "fine"
     assert (recorder.stored, recorder.dropped) == (2, 0)
     await recorder.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_the_recorder_next_to_the_store_stores_a_span_itself_and_leaves_the_rest_to_the_shipper(
+    tmp_path: Path, backend: str
+) -> None:
+    """With the Store in this process, a call's span is stored by the recorder itself, not batched by the
+    shipper (in memory before ``record`` ever waits); a span the Store refuses goes to the shipper, which
+    gives it up; and while the shipper holds spans of the attempt, the next span follows them, in order."""
+    db = tmp_path / "store.db" if backend == "sqlite" else None
+    running = await start_server(ServerConfig(port=0, db=db))
+    recorder = SpanRecorder(LocalStoreClient(running.store), max_backoff=0.05).start()
+    try:
+        async with StoreClient(f"127.0.0.1:{running.port}") as client:
+            rollout = await client.start_rollout({"direct": True})
+            assert rollout.latest_attempt
+            key = (rollout.rollout_id, rollout.latest_attempt.attempt_id)
+            first = make_span(*key, turn=1)
+            call = recorder.record(first, wait=5)
+            if backend == "memory":  # stored without a single wait
+                with pytest.raises(StopIteration) as answered:
+                    call.send(None)
+                assert answered.value.value is True
+            else:
+                assert await call is True
+            assert [s.span_id for s in await client.query_spans(key[0])] == [first.span_id]
+            assert (recorder.stored, recorder.shipper.stats.acknowledged) == (1, 0)
+
+            assert await recorder.record(make_span(key[0], "at-missing"), wait=5) is False
+            assert recorder.dropped == 1  # the shipper gave it up (logged), as every refused span
+
+            queued, after = make_span(*key, turn=2), make_span(*key, turn=3)
+            held = recorder.submit(queued)  # with the shipper, not yet stored
+            assert await recorder.record(after, wait=5) is True and await held is True
+            stored = await client.query_spans(key[0])
+            assert [s.span_id for s in stored] == [first.span_id, queued.span_id, after.span_id]
+            assert [s.sequence_id for s in stored] == [1, 2, 3]
+            assert (recorder.stored, recorder.shipper.stats.acknowledged) == (3, 2)
+    finally:
+        await recorder.close()
+        await running.stop()
 
 
 async def test_what_is_unsent_at_close_is_counted_lost_and_its_waiters_hear_false() -> None:
