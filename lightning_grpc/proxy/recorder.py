@@ -141,7 +141,8 @@ class SpanRecorder:
         resend of a span that was stored after all harmless)."""
         try:
             await durable
-        except LightningError:
+        except Exception as exc:  # a commit that failed, whatever the error: the shipper takes the span
+            log.info("event=proxy_span_commit_failed span_id=%s error=%r", span.span_id, exc)
             return await self._track(span, body)
         self._stored_directly += 1
         return True
