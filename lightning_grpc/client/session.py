@@ -6,7 +6,8 @@ answered on its own, as soon as the server is done with it, so any number of tas
 at once. When the stream breaks (UNAVAILABLE: the server restarts, a standby takes over), the session opens
 a new one and sends again every message it has no answer to; all of them are safe to repeat (claims carry a
 request id, reports are fenced by the attempt). A server without RunnerSession (an older release) is asked
-with the unary RPCs instead.
+with the unary RPCs instead. A stream that ends while a message is being written on it can end with
+grpc.aio's own INTERNAL instead of the server's status; it is opened again at once, to learn that status.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
 
 from .channel import Metadata
 from .config import ClientConfig
-from .errors import from_message_error, from_rpc_error
+from .errors import from_message_error, from_rpc_error, status_lost_to_a_write
 from .runner_calls import RunnerCalls
 
 log = logs.get_logger(__name__)
+
+#: How many times in a row a stream whose status grpc.aio lost to a failed write is opened again at once.
+_LOST_STATUS_REOPENS = 3
 
 #: The RPCs a session carries: the RPC's name -> the field of RunnerSessionRequest/Response holding it.
 _FIELD_OF = {method: name for name, method in SESSION_CALLS.items()}
@@ -143,11 +147,11 @@ class RunnerSession(RunnerCalls):
 
     # ------------------------------------------------------------------ answers, and a broken stream
     async def _read(self, stream: Any) -> None:
-        failures = 0
+        failures = lost = 0
         while True:
             try:
                 async for answer in stream:
-                    failures = 0
+                    failures = lost = 0
                     owed = self._owed.get(answer.message_id)
                     if owed is not None and not owed.answer.done():
                         owed.answer.set_result(answer)
@@ -156,6 +160,11 @@ class RunnerSession(RunnerCalls):
                 error = exc
             if self._closed:
                 return
+            if error is not None and status_lost_to_a_write(error) and lost < _LOST_STATUS_REOPENS:
+                lost += 1  # not the server's answer: ask again at once (a refusal, UNIMPLEMENTED, a drain)
+                log.debug("event=runner_session_status_lost owed=%d", len(self._owed))
+                stream = await self._reopen()
+                continue
             if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._unary = True  # an older server: every message, owed or to come, is its unary call
                 for owed in self._owed.values():

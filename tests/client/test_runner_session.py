@@ -12,10 +12,13 @@ import grpc
 import pytest
 
 from lightning_grpc.client import ClientConfig, RetryConfig, StoreClient
+from lightning_grpc.client.errors import from_rpc_error
 from lightning_grpc.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
+    InternalError,
     NotFoundError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from lightning_grpc.server.app import ServerConfig, make_store, start_server
@@ -172,3 +175,66 @@ async def test_an_unanswered_message_raises_deadline_exceeded_and_close_ends_the
             assert closed.value.reason == "SESSION_CLOSED"
     finally:
         await server.stop(0)
+
+
+#: What grpc.aio reports for a stream whose status it lost to a write made as the server ended the call.
+LOST = grpc.aio.AioRpcError(
+    grpc.StatusCode.INTERNAL,
+    grpc.aio.Metadata(),
+    grpc.aio.Metadata(),
+    details="Internal error from Core",
+    debug_error_string='Failed "execute_batch": (<grpc._cython.cygrpc.SendMessageOperation object>,)',
+)
+
+
+class StatusLostOnce:
+    """The session's stub, whose first RunnerSession stream ends as grpc.aio ends a stream when a write lost
+    the race with the server's answer; every later stream is the real one."""
+
+    def __init__(self, stub: Any) -> None:
+        self.stub, self.opened = stub, 0
+
+    def RunnerSession(self, **kw: Any) -> Any:
+        self.opened += 1
+        return self.stub.RunnerSession(**kw) if self.opened > 1 else _LostStream()
+
+
+class _LostStream:
+    async def write(self, message: Any) -> None:
+        pass
+
+    def __aiter__(self) -> _LostStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        raise LOST
+
+    def cancel(self) -> bool:
+        return True
+
+
+async def test_a_stream_whose_status_grpc_lost_to_a_write_is_opened_again_to_learn_the_real_one() -> None:
+    """A refused session must say UNAUTHENTICATED, not grpc.aio's INTERNAL, even with retries off."""
+    running = await start_server(ServerConfig(port=0, token="s3cret"))
+    try:
+        config = ClientConfig(target=running.address, token="not the token", retry=None)
+        async with StoreClient(config) as client, client.runner_session() as session:
+            session._stub = stub = StatusLostOnce(session._stub)
+            with pytest.raises(UnauthenticatedError):
+                await session.dequeue_rollout(worker_id="w1")
+            assert stub.opened == 2
+    finally:
+        await running.stop()
+
+
+def test_only_grpcs_own_failed_write_reads_as_a_lost_status() -> None:
+    lost = from_rpc_error(LOST)
+    assert isinstance(lost, UnavailableError) and lost.reason == "STREAM_STATUS_LOST" and lost.transient
+    servers_own = grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details='Failed "execute_batch"',
+        debug_error_string='INTERNAL:Failed "execute_batch"',
+    )
+    assert isinstance(from_rpc_error(servers_own), InternalError)

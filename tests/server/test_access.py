@@ -30,6 +30,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2 as otlp_trace
 from lightning_grpc import semconv
 from lightning_grpc.access import RULES, SESSION_CALLS, Credentials, Role, credential_claims
 from lightning_grpc.client import ClientConfig, StoreClient
+from lightning_grpc.client.errors import status_lost_to_a_write
 from lightning_grpc.errors import PermissionDeniedError, UnauthenticatedError
 from lightning_grpc.proxy import ProxyConfig
 from lightning_grpc.server.app import RunningServer, ServerConfig, start_server
@@ -115,16 +116,14 @@ async def call(
 ) -> grpc.RpcError | None:
     """Call ``path`` with raw bytes; the error it ends with (None when it answered, or was still running).
 
-    A client stream refused before its first message went out can end on the client's side with INTERNAL
-    ("Failed execute_batch": the send lost the race with the server's answer); it is asked once more."""
+    A client stream refused before its first message went out can end on the client's side with grpc.aio's
+    INTERNAL instead of the server's status (the send lost the race with the server's answer,
+    :func:`~lightning_grpc.client.errors.status_lost_to_a_write`); it is asked again, up to 5 times."""
     error = await call_once(server, path, method, payload, bearer)
-    if (
-        error is not None
-        and method.client_streaming
-        and error.code() == grpc.StatusCode.INTERNAL
-        and "execute_batch" in (error.debug_error_string() or "")
-    ):
-        return await call_once(server, path, method, payload, bearer)
+    for _ in range(4):
+        if error is None or not method.client_streaming or not status_lost_to_a_write(error):
+            break
+        error = await call_once(server, path, method, payload, bearer)
     return error
 
 

@@ -32,6 +32,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lightning_grpc.client.errors import status_lost_to_a_write
 from lightning_grpc.v1 import span_pb2
 from lightning_grpc.v1 import store_service_pb2 as pb
 from lightning_grpc.v1 import store_service_pb2_grpc as pb_grpc
@@ -94,7 +95,7 @@ class Ledger:
 
 def failure_code(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
-        if exc.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (exc.debug_error_string() or ""):
+        if status_lost_to_a_write(exc):
             return "LOCAL_WRITE_FAILED"  # grpc.aio's own error for a stream write on a dead connection
         return exc.code().name
     return type(exc).__name__
