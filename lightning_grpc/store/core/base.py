@@ -28,6 +28,31 @@ log = logs.get_logger(__name__)
 
 #: How long a write that frees space (a delete) waits for its commit while the store is full.
 FREEING_PATIENCE = 5.0
+#: How often a write waiting for its commit looks whether the backend can still write (seconds).
+HEALTH_LOOK_INTERVAL = 0.25
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _first_done(*futures: asyncio.Future[Any]) -> None:
+    """Wait until one of ``futures`` is done, cancelling none of them when the waiting task is cancelled
+    (a commit's future is shared by every write in it)."""
+    loop = asyncio.get_running_loop()
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: asyncio.Future[Any]) -> None:
+        _set_done(woken)
+
+    for fut in futures:
+        fut.add_done_callback(wake)
+    try:
+        await woken
+    finally:
+        for fut in futures:
+            fut.remove_done_callback(wake)
 
 
 def _out_of_space_now(held: bool) -> UnavailableError:
@@ -151,6 +176,7 @@ class StoreBase:
         self._watchdog_wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_commit: asyncio.Future[None] | None = None
+        self._next_look: asyncio.Future[None] | None = None
         self._broken: BaseException | None = None
         self._meta: dict[str, str] = {}
         self._closing = False
@@ -249,8 +275,18 @@ class StoreBase:
                 if self.backend.unavailable:
                     raise _database_unavailable(self.backend.unavailable, held=held)
                 raise _out_of_space_now(held)
-            await asyncio.wait((fut,), timeout=0.25)
+            await _first_done(fut, self._health_look())
         fut.result()
+
+    def _health_look(self) -> asyncio.Future[None]:
+        """Done at the next look at the backend's health, shared by every write waiting for its commit: one
+        timer for them all, not one per wait."""
+        look = self._next_look
+        if look is None or look.done():
+            loop = asyncio.get_running_loop()
+            look = self._next_look = loop.create_future()
+            loop.call_later(HEALTH_LOOK_INTERVAL, _set_done, look)
+        return look
 
     def _on_commit_done(self, fut: asyncio.Future[None], tx: Txn) -> None:
         if fut.cancelled():
