@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable
+from typing import Literal
 
 from lightning_grpc import convert, logs, semconv
 from lightning_grpc.client import StoreClient
@@ -101,6 +102,8 @@ class SpanRecorder:
         """Store a span, waiting up to ``wait`` seconds for the Store; one not stored by then stays queued."""
         body = convert.span_to_pb(span).SerializeToString()
         done = self._store_here(span, body)
+        if done is True:
+            return True
         if done is None:
             done = self._track(span, body)
         elif done.done():
@@ -113,11 +116,11 @@ class SpanRecorder:
             log.warning("event=proxy_span_slow span_id=%s waited_s=%.1f", span.span_id, wait)
             return False
 
-    def _store_here(self, span: Span, body: bytes) -> asyncio.Future[bool] | None:
-        """Hand the span to a Store in this process: a future that says whether it is stored (done at once
-        when the Store needs no commit), or None where the shipper is to take it: no Store here, spans of
-        the attempt still with the shipper, or a span the Store refused (the shipper retries what passes and
-        gives up the rest, logged)."""
+    def _store_here(self, span: Span, body: bytes) -> Literal[True] | asyncio.Future[bool] | None:
+        """Hand the span to a Store in this process: True when it is stored already (a Store that needs no
+        commit), a future that says whether its commit stored it, or None where the shipper is to take it: no
+        Store here, spans of the attempt still with the shipper, or a span the Store refused (the shipper
+        retries what passes and gives up the rest, logged)."""
         if not isinstance(self.client, LocalStoreClient) or not self.shipper.settled(
             span.rollout_id, span.attempt_id
         ):
@@ -128,9 +131,7 @@ class SpanRecorder:
             return None
         if durable is None:
             self._stored_directly += 1
-            done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            done.set_result(True)
-            return done
+            return True
         commit = asyncio.ensure_future(self._committed_or_resent(durable, span, body))
         self._commits.add(commit)
         commit.add_done_callback(self._commits.discard)
