@@ -227,14 +227,24 @@ async def test_a_stream_whose_status_grpc_lost_to_a_write_is_opened_again_to_lea
         await running.stop()
 
 
-def test_only_grpcs_own_failed_write_reads_as_a_lost_status() -> None:
+async def fails_like_grpc(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    await context.abort(grpc.StatusCode.INTERNAL, 'Failed "execute_batch"')
+    raise AssertionError("abort returns no answer")
+
+
+async def test_only_grpcs_own_failed_write_reads_as_a_lost_status() -> None:
     lost = from_rpc_error(LOST)
     assert isinstance(lost, UnavailableError) and lost.reason == "STREAM_STATUS_LOST" and lost.transient
-    servers_own = grpc.aio.AioRpcError(
-        grpc.StatusCode.INTERNAL,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        details='Failed "execute_batch"',
-        debug_error_string='INTERNAL:Failed "execute_batch"',
-    )
-    assert isinstance(from_rpc_error(servers_own), InternalError)
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(fails_like_grpc)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Fails", {"Call": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await channel.unary_unary("/test.Fails/Call")(b"")
+        # a server's INTERNAL whose message reads like grpc.aio's own is the server's error
+        assert isinstance(from_rpc_error(raised.value), InternalError)
+    finally:
+        await server.stop(0)
