@@ -5,8 +5,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import heapq
+import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from lightning_grpc.errors import InvalidArgumentError
@@ -77,14 +78,37 @@ def keyset_page(
     return page, (list(key(page[-1])) if len(rows) > size else None)
 
 
+def keyset_page_in_order(
+    rows: Iterable[T], key: Callable[[T], tuple[Any, ...]], size: int, after: Any, descending: bool = False
+) -> tuple[list[T], list[Any] | None]:
+    """:func:`keyset_page` of ``rows`` that come in ``key`` order (largest first when ``descending``), read only
+    as far as the end of the page."""
+    if after is not None:
+        position = _position(after)
+        if descending:
+            rows = itertools.dropwhile(lambda r: key(r) >= position, rows)
+        else:
+            rows = itertools.dropwhile(lambda r: key(r) <= position, rows)
+    try:
+        top = list(itertools.islice(rows, size + 1))
+    except TypeError:  # a cursor whose parts do not compare with these keys
+        raise InvalidArgumentError("page_token", "is not a page token this store issued") from None
+    page = top[:size]
+    return page, (list(key(page[-1])) if len(top) > size else None)
+
+
+def _position(after: Any) -> tuple[Any, ...]:
+    if not isinstance(after, list):
+        raise InvalidArgumentError("page_token", "is not a page token this store issued")
+    return tuple(after)
+
+
 def rows_after(
     rows: list[T], key: Callable[[T], tuple[Any, ...]], after: Any, descending: bool = False
 ) -> list[T]:
     """The rows past the cursor ``after`` (the key of the last row served), in their order;
     INVALID_ARGUMENT naming ``page_token`` when ``after`` is no cursor of these rows' keys."""
-    if not isinstance(after, list):
-        raise InvalidArgumentError("page_token", "is not a page token this store issued")
-    position = tuple(after)
+    position = _position(after)
     try:
         return [r for r in rows if (key(r) < position if descending else key(r) > position)]
     except TypeError:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from lightning_grpc.errors import (
     NotFoundError,
 )
 from lightning_grpc.server.app import ServerConfig, start_server
+from lightning_grpc.store import open_store
 from lightning_grpc.types import (
     LLM,
     AttemptStatus,
@@ -101,6 +104,50 @@ async def test_update_rollout_changes_only_the_given_fields(client: StoreClient)
         await client.update_rollout(r.rollout_id, resources_id="rs-none")
     with pytest.raises(NotFoundError):
         await client.update_rollout("ro-none", metadata={})
+
+
+@pytest.mark.parametrize("where", ["memory", "sqlite"])
+async def test_a_status_page_in_creation_order_holds_when_the_clock_steps_back(
+    tmp_path: Path, where: str
+) -> None:
+    """A page in creation order (of every rollout, or of a status) is read off the rollouts in the order they were
+    taken while that order is their (create_time, creation) order; a clock that stepped back ends that, and the
+    pages still come in create_time order, before and after a restart."""
+    now = [100.0]
+    expected = [3, 0, 5, 1, 2, 4]  # by create_time; the two at 200 in the order they came
+    db = tmp_path / "s.db" if where == "sqlite" else None
+
+    async def listed(store: Any, descending: bool, statuses: list[RolloutStatus]) -> list[int]:
+        names, token = [], ""
+        while True:
+            page = await store.list_rollouts(
+                statuses=statuses, page_size=2, page_token=token, descending=descending
+            )
+            assert page.total_size == 6
+            names += [r.input["n"] for r in page.items]
+            token = page.next_page_token
+            if not token:
+                return names
+
+    async def check(store: Any) -> None:
+        for statuses in ([], [RolloutStatus.QUEUING]):
+            assert await listed(store, False, statuses) == expected
+            assert await listed(store, True, statuses) == expected[::-1]
+
+    store = await open_store(db, clock=lambda: now[0])
+    try:
+        for n, at in enumerate([100.0, 200.0, 200.0, 50.0, 300.0, 150.0]):
+            now[0] = at
+            await store.enqueue_rollouts([RolloutSpec(input={"n": n})])
+        await check(store)
+    finally:
+        await store.close()
+    if db is not None:
+        reopened = await open_store(db, clock=lambda: now[0])
+        try:
+            await check(reopened)
+        finally:
+            await reopened.close()
 
 
 async def test_list_rollouts_filters_orders_and_pages(client: StoreClient) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -155,6 +156,10 @@ class StoreBase:
         self._queue: dict[str, None] = {}
         self._queue_seq = itertools.count(1)
         self._create_seq = itertools.count(1)
+        #: Whether ``_rollouts`` (kept in the order rollouts were taken in) is also in (create_time, create_seq)
+        #: order, so that a page in creation order can be read off it; False for good once a clock stepped back.
+        self._in_creation_order = True
+        self._last_create_time = -math.inf
         self._workers: dict[str, WorkerState] = {}
         self._resources: dict[str, ResourcesState] = {}
         self._latest_resources_id = ""
@@ -195,6 +200,16 @@ class StoreBase:
             )
 
     # ------------------------------------------------------------------ the index by status
+    def _hold(self, rs: RolloutState) -> None:
+        """Take a rollout created or loaded: number it, keep it, file it under its status."""
+        rs.create_seq = next(self._create_seq)
+        self._rollouts[rs.rollout.rollout_id] = rs
+        created = rs.rollout.create_time
+        if created < self._last_create_time:
+            self._in_creation_order = False
+        self._last_create_time = max(self._last_create_time, created)
+        self._file_by_status(rs)
+
     def _file_by_status(self, rs: RolloutState) -> None:
         """File ``rs`` under its status now (called with every recorded change, and at load)."""
         rid, status = rs.rollout.rollout_id, rs.rollout.status

@@ -66,9 +66,7 @@ class Store(
         self.store_id = loaded.store_id
         max_queue_seq = 0
         for rs in loaded.rollouts:
-            rs.create_seq = next(self._create_seq)
-            self._rollouts[rs.rollout.rollout_id] = rs
-            self._file_by_status(rs)
+            self._hold(rs)
             rs.bytes = self._estimate_rollout_bytes(rs)
             self._memory_bytes += rs.bytes
             max_queue_seq = max(max_queue_seq, rs.queue_seq)
