@@ -24,6 +24,15 @@ from tests.conftest import ROOT, ServerProcess
 
 CLI = [sys.executable, "-m", "lightning_grpc.cli.main"]
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_GRPC_")}
+#: Runs the command after it with SIGINT at its default, as a terminal's foreground command has it: a test run
+#: started in the background by a non-interactive shell ignores SIGINT, and its children inherit that. (Not a
+#: preexec_fn: Python code run in a child forked from this process, whose gRPC threads are busy, can fail
+#: before the exec.)
+WITH_CTRL_C = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -398,6 +407,7 @@ async def test_spans_follow_prints_new_spans_until_interrupted(client: StoreClie
     await client.add_spans([make_span("first", {"step": 1})], **ids)
 
     proc = await asyncio.create_subprocess_exec(
+        *WITH_CTRL_C,
         *CLI,
         "spans",
         rollout.rollout_id,
@@ -410,14 +420,13 @@ async def test_spans_follow_prints_new_spans_until_interrupted(client: StoreClie
         stderr=asyncio.subprocess.PIPE,
         cwd=ROOT,
         env=CLEAN_ENV,
-        # Ctrl-C as a terminal's foreground command gets it: a test run started in the background by a
-        # non-interactive shell ignores SIGINT, and its children would inherit that (Python keeps it ignored)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None and proc.stderr is not None
     try:
         first = await asyncio.wait_for(proc.stdout.readline(), 30)
-        assert first.split()[2] == b"first"
+        if not first:  # the command ended: say why
+            raise AssertionError(f"spans --follow ended ({await proc.wait()}): {await proc.stderr.read()!r}")
+        assert first.split()[2] == b"first", first
         await client.add_spans([make_span("second", {"step": 2})], **ids)
         second = await asyncio.wait_for(proc.stdout.readline(), 30)
         assert second.split()[:3] == [b"2", ids["attempt_id"].encode(), b"second"]
