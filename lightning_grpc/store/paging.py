@@ -65,24 +65,14 @@ def keyset_page_of(
 
 
 def keyset_page(
-    rows: list[T], key: Callable[[T], tuple[Any, ...]], size: int, after: Any, descending: bool = False
+    rows: Iterable[T], key: Callable[[T], tuple[Any, ...]], size: int, after: Any, descending: bool = False
 ) -> tuple[list[T], list[Any] | None]:
-    """The page of ``rows`` (already sorted by ``key``) that follows the cursor ``after``.
+    """The page of ``rows`` (coming in ``key`` order, largest first when ``descending``) that follows the
+    cursor ``after``, reading ``rows`` only as far as the end of the page.
 
     A cursor is the key of the last row served, so rows that change or disappear between pages
     never make the next page skip or repeat others. Returns the page and the next cursor (None at the end).
     """
-    if after is not None:
-        rows = rows_after(rows, key, after, descending)
-    page = rows[:size]
-    return page, (list(key(page[-1])) if len(rows) > size else None)
-
-
-def keyset_page_in_order(
-    rows: Iterable[T], key: Callable[[T], tuple[Any, ...]], size: int, after: Any, descending: bool = False
-) -> tuple[list[T], list[Any] | None]:
-    """:func:`keyset_page` of ``rows`` that come in ``key`` order (largest first when ``descending``), read only
-    as far as the end of the page."""
     if after is not None:
         position = _position(after)
         if descending:

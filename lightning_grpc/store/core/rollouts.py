@@ -456,13 +456,13 @@ class RolloutsSection(SpanStaging):
             return None
         rollouts = reversed(self._rollouts.values()) if descending else self._rollouts.values()
         if not status_set:
-            page, nxt = paging.keyset_page_in_order(rollouts, cursor, size, after, descending)
+            page, nxt = paging.keyset_page(rollouts, cursor, size, after, descending)
             return page, nxt, len(self._rollouts)
         total = sum(len(self._by_status[status]) for status in status_set)
         if total * _DENSE < len(self._rollouts):
             return None
         matching = (rs for rs in rollouts if rs.rollout.status in status_set)
-        page, nxt = paging.keyset_page_in_order(matching, cursor, size, after, descending)
+        page, nxt = paging.keyset_page(matching, cursor, size, after, descending)
         return page, nxt, total
 
 
