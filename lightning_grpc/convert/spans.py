@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
@@ -20,7 +21,9 @@ from lightning_grpc import types as t
 from lightning_grpc.errors import InvalidArgumentError
 from lightning_grpc.store.state import SpanRecord
 from lightning_grpc.v1 import span_pb2
+from lightning_grpc.v1 import store_service_pb2 as store_pb
 
+from .framing import bytes_views
 from .values import attributes_from_pb, attributes_to_pb, otlp_attributes_to_pb
 
 if TYPE_CHECKING:
@@ -190,30 +193,49 @@ def otlp_span_to_pb(src: otlp_trace.Span, scope: otlp_common.InstrumentationScop
 # ------------------------------------------------------------------ spans as the store keeps them
 
 
-def span_records(spans: Any) -> list[SpanRecord]:
+#: A batch of spans parsed at once: a message of the contract with ``repeated Span spans``, and its copy that
+#: holds the same spans serialized (see :func:`.framing.bytes_views`).
+_Batch = store_pb.AddSpansStreamRequest
+_BatchOfBytes: Any = bytes_views("lightning_grpc.convert.batch", _Batch.DESCRIPTOR)[
+    "AddSpansStreamRequestRaw"
+]
+
+
+def span_records(spans: Iterable[bytes]) -> list[SpanRecord]:
     """Serialized spans as store records, each parsed in full so that only readable spans are stored.
 
-    The stored body is the span exactly as received; its ids come from the parsed message.
+    The stored body is the span exactly as received; its ids come from the parsed message. The batch is
+    parsed in one call (one call a span costs a fifth more); a batch that does not parse is parsed again
+    span by span, to name the span at fault.
     """
-    parse = span_pb2.Span.FromString
-    records = []
-    for i, body in enumerate(spans):
+    bodies = list(spans)
+    try:
+        parsed: Any = _Batch.FromString(_BatchOfBytes(spans=bodies).SerializeToString()).spans
+    except DecodeError:
+        parsed = _each_span(bodies)
+    return [
+        SpanRecord(
+            s.rollout_id,
+            s.attempt_id,
+            s.span_id,
+            s.trace_id,
+            s.parent_span_id,
+            s.name,
+            s.start_time_unix_nano,
+            s.end_time_unix_nano,
+            body,
+            s.sequence_id,
+        )
+        for s, body in zip(parsed, bodies, strict=True)
+    ]
+
+
+def _each_span(bodies: list[bytes]) -> list[span_pb2.Span]:
+    """The spans parsed one by one (INVALID_ARGUMENT naming the first that does not parse)."""
+    parsed = []
+    for i, body in enumerate(bodies):
         try:
-            s = parse(body)
+            parsed.append(span_pb2.Span.FromString(body))
         except DecodeError:
             raise InvalidArgumentError(f"spans[{i}]", "is not a valid lightning.v1.Span") from None
-        records.append(
-            SpanRecord(
-                s.rollout_id,
-                s.attempt_id,
-                s.span_id,
-                s.trace_id,
-                s.parent_span_id,
-                s.name,
-                s.start_time_unix_nano,
-                s.end_time_unix_nano,
-                body,
-                s.sequence_id,
-            )
-        )
-    return records
+    return parsed

@@ -9,12 +9,17 @@ already is, as in memory).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import operator
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from .state import LoadedState, SpanRecord, Txn
+
+#: A span's rollout and attempt number: where the in-memory backend files it.
+_ATTEMPT_OF_SPAN = operator.attrgetter("rollout_id", "attempt_no")
 
 
 @dataclass
@@ -114,14 +119,15 @@ class MemoryBackend:
     def submit(self, tx: Txn) -> None:
         for rid in tx.deleted_rollouts:
             self._spans.pop(rid, None)
-        for rec in tx.spans:
-            per_attempt = self._spans.setdefault(rec.rollout_id, {})
-            bucket = per_attempt.get(rec.attempt_no)
-            if bucket is None:
-                bucket = per_attempt[rec.attempt_no] = []
-            if bucket and bucket[-1].sequence_id > rec.sequence_id:
-                self._unsorted.add((rec.rollout_id, rec.attempt_no))
-            bucket.append(rec)
+        for key, run in itertools.groupby(
+            tx.spans, _ATTEMPT_OF_SPAN
+        ):  # a batch's spans: nearly always one run
+            spans = list(run)
+            bucket = self._spans.setdefault(key[0], {}).setdefault(key[1], [])
+            numbers = [r.sequence_id for r in spans]
+            if (bucket and bucket[-1].sequence_id > numbers[0]) or numbers != sorted(numbers):
+                self._unsorted.add(key)
+            bucket.extend(spans)
         return None
 
     def _bucket(self, rollout_id: str, attempt_no: int) -> list[SpanRecord]:

@@ -81,6 +81,26 @@ class SpanIdIndex:
         """The sequence id of ``span_id`` when it was added since the last :meth:`compact`, else None."""
         return self._recent.get(span_id)
 
+    def number(self, span_ids: list[str], first: int) -> tuple[list[int], list[int]]:
+        """Numbers for a batch of span ids: an id stored before, or met earlier in the batch, keeps its
+        number; each new id takes the next number from ``first`` on, in order, and is added. Returns each
+        id's number and the positions of the new ids."""
+        known = self.lookup(span_ids)
+        n = len(span_ids)
+        if known.count(None) == n and len(set(span_ids)) == n:  # all new: the common batch
+            self._recent.update(zip(span_ids, range(first, first + n), strict=True))
+            return list(range(first, first + n)), list(range(n))
+        numbers: list[int] = []
+        fresh: list[int] = []
+        for span_id, found in zip(span_ids, known, strict=True):
+            if found is None:
+                found = self._recent.get(span_id)  # earlier in this batch
+                if found is None:
+                    found = self._recent[span_id] = first + len(fresh)
+                    fresh.append(len(numbers))
+            numbers.append(found)
+        return numbers, fresh
+
     def __setitem__(self, span_id: str, number: int) -> None:
         self._recent[span_id] = number
 
