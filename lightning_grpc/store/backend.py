@@ -119,9 +119,8 @@ class MemoryBackend:
     def submit(self, tx: Txn) -> None:
         for rid in tx.deleted_rollouts:
             self._spans.pop(rid, None)
-        for key, run in itertools.groupby(
-            tx.spans, _ATTEMPT_OF_SPAN
-        ):  # a batch's spans: nearly always one run
+        # each run of one attempt's spans at once (a batch's spans are nearly always one run)
+        for key, run in itertools.groupby(tx.spans, _ATTEMPT_OF_SPAN):
             spans = list(run)
             bucket = self._spans.setdefault(key[0], {}).setdefault(key[1], [])
             numbers = [r.sequence_id for r in spans]

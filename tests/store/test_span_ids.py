@@ -48,3 +48,20 @@ def test_ids_added_stay_in_the_dict_until_compact() -> None:
     assert index.added("00000000000000aa") == 9  # no move before compact(): a batch's lookups stay true
     index.compact()
     assert index.added("00000000000000aa") is None and index.get("00000000000000aa") == 9
+
+
+def test_a_batch_keeps_the_numbers_of_ids_stored_before_it_and_numbers_an_id_sent_twice_once() -> None:
+    loaded = {span_id(): n for n in range(1, MOVE_AT + 1)}
+    index = SpanIdIndex(loaded)  # these ids are in the arrays
+    moved = next(iter(loaded))
+    recent = span_id()
+    index[recent] = MOVE_AT + 1  # this one in the dict
+    fresh = [span_id() for _ in range(4)]
+
+    assert index.number(fresh[:2], 100) == ([100, 101], [0, 1])  # all new
+    assert index.get(fresh[0]) == 100 and index.get(fresh[1]) == 101
+
+    numbers, new = index.number([fresh[2], moved, recent, fresh[2], fresh[0], fresh[3]], 102)
+    assert numbers == [102, loaded[moved], MOVE_AT + 1, 102, 100, 103]
+    assert new == [0, 5]
+    assert index.get(fresh[2]) == 102 and index.get(fresh[3]) == 103
