@@ -14,6 +14,11 @@ Both paths post the same body (max_tokens 8, temperature 0 by default) with one 
 session, the lightest Python client, so the figures show the proxy rather than the client; warm-up
 calls are not counted. Only 127.0.0.1.
 
+With ``--relay`` (``bench/relay_server.py``, a bare aiohttp relay to the same engine that checks, rewrites,
+parses and records nothing) a third path, ``via_relay``, takes its turn in the rounds at ``--concurrency``
+agents between the other two, with its own ratio to direct (``relay_throughput_ratio``): the floor of one
+more HTTP hop in Python on this host, against which the proxy's own work is read.
+
 Each path's ``engine`` figures come from the engine's ``GET /metrics`` (read before and after each of its
 rounds at ``--concurrency`` agents; absent when the engine serves none): its steps and prefill passes a
 call, and the rows a decode pass held. Through the proxy each call spends longer outside the engine, so
@@ -133,17 +138,17 @@ def engine_figures(grew: dict[str, float], calls: int) -> dict[str, float]:
 
 
 async def concurrent_rounds(
-    paths: tuple[Path, Path], calls: int, agents: int, rounds: int, max_seconds: float, metrics_url: str
-) -> tuple[dict[str, dict[str, Any]], list[float]]:
+    paths: tuple[Path, ...], calls: int, agents: int, rounds: int, max_seconds: float, metrics_url: str
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]]]:
     """``rounds`` rounds of each path in turn (direct, proxy, direct, ...), so that a slower spell of the
-    host falls on both: each path's figures over all its rounds, and the ratio of calls/s (second path ÷
-    first) of each round."""
+    host falls on every path: each path's figures over all its rounds, and for each path after the first
+    the ratio of its calls/s to the first path's in each round."""
     latencies: dict[str, list[float]] = {p.name: [] for p in paths}
     seconds = dict.fromkeys(latencies, 0.0)
     grew: dict[str, dict[str, float] | None] = {
         name: dict.fromkeys(ENGINE_COUNTERS, 0.0) for name in latencies
     }
-    ratios = []
+    ratios: dict[str, list[float]] = {p.name: [] for p in paths[1:]}
     for _ in range(rounds):
         rate = {}
         for path in paths:
@@ -159,8 +164,9 @@ async def concurrent_rounds(
             else:  # the warm-up calls (one an agent) are in the engine's counts, so in the calls below too
                 for key in total:
                     total[key] += after[key] - before[key]
-        first, second = (rate[p.name] for p in paths)
-        ratios.append(second / first if first else 0.0)
+        first = rate[paths[0].name]
+        for path in paths[1:]:
+            ratios[path.name].append(rate[path.name] / first if first else 0.0)
     out: dict[str, dict[str, Any]] = {}
     for name, values in latencies.items():
         out[name] = {
@@ -193,6 +199,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         ]  # type: ignore[union-attr]
         direct = Path("direct", [args.direct] * agents, http, args.model, args.max_tokens)
         proxied = Path("via_proxy", routes, http, args.model, args.max_tokens)
+        relay_base = (args.relay or "").rstrip("/").removesuffix("/v1")
+        relayed = [route.replace(proxy_base, relay_base, 1) for route in routes]
+        relay = Path("via_relay", relayed, http, args.model, args.max_tokens)
+        paths = (direct, relay, proxied) if args.relay else (direct, proxied)
         started = time.monotonic()
         deadline = started + args.max_seconds
 
@@ -210,7 +220,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         metrics_url = args.direct.rstrip("/").removesuffix("/v1") + "/metrics"
         many, ratios = await concurrent_rounds(
-            (direct, proxied), args.concurrent_calls, agents, args.rounds, args.max_seconds, metrics_url
+            paths, args.concurrent_calls, agents, args.rounds, args.max_seconds, metrics_url
         )
 
         await asyncio.sleep(0.5)  # the proxy writes spans in the background
@@ -234,8 +244,15 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "agents_1": {"p50": diff("agents_1", "p50_ms"), "p99": diff("agents_1", "p99_ms")},
         k: {"p50": diff(k, "p50_ms"), "p99": diff(k, "p99_ms")},
     }
-    out["throughput_ratio"] = round(statistics.median(ratios), 3) if ratios else None
-    out["throughput_ratio_rounds"] = [round(r, 3) for r in ratios]
+    for name, prefix in (("via_proxy", ""), ("via_relay", "relay_")):
+        if name in ratios:
+            by_round = ratios[name]
+            out[f"{prefix}throughput_ratio"] = round(statistics.median(by_round), 3) if by_round else None
+            out[f"{prefix}throughput_ratio_rounds"] = [round(r, 3) for r in by_round]
+    if args.relay:
+        out["via_relay"] = {f"agents_{agents}": many["via_relay"], "errors": relay.errors}
+        if relay.errors:
+            out["via_relay"]["last_error"] = relay.last_error
     out["spans_recorded_agent0"] = spans
     out["seconds"] = round(time.monotonic() - started, 2)
     return out
@@ -246,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--direct", help="the engine's base URL (…/v1)")
     p.add_argument("--proxy", help="the proxy's HTTP address (http://127.0.0.1:PORT)")
     p.add_argument("--store", help="the Store's address (127.0.0.1:PORT)")
+    p.add_argument(
+        "--relay",
+        help="a bare relay to the same engine (bench/relay_server.py, http://127.0.0.1:PORT): a third path",
+    )
     p.add_argument("--model", default="tiny")
     p.add_argument("--calls", type=int, default=200, help="calls per path at 1 agent")
     p.add_argument("--concurrent-calls", type=int, default=640, help="calls per path at --concurrency agents")
@@ -259,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not (args.direct and args.proxy and args.store):
         p.error("--direct, --proxy and --store are required")
-    for url in (args.direct, args.proxy, args.store):
+    for url in (args.direct, args.proxy, args.store, *([args.relay] if args.relay else [])):
         if "127.0.0.1" not in url:
             p.error(f"only 127.0.0.1: {url}")
     print(json.dumps(asyncio.run(measure(args))))

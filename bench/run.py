@@ -592,12 +592,15 @@ def _proxy_overhead(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
             m = re.search(r"event=server_started address=(127\.0\.0\.1:\d+)", "\n".join(srv.process.lines))
             if m is None:
                 return {"error": "no store address in the serve log", "engine": cfg["engine"]}
-            target = ["--direct", base_url, "--proxy", f"http://{srv.address}", "--store", m.group(1)]
-            args = ["--model", "tiny", "--calls", str(cfg["calls"]), "--concurrent-calls"]
-            args += [str(cfg["concurrent_calls"]), "--concurrency", str(cfg["concurrency"])]
-            args += ["--rounds", str(cfg["rounds"])]
-            args += ["--max-seconds", str(cfg["max_seconds"])]
-            result = drive(PY, "proxy_peer.py", target, args, cfg["max_seconds"] * 4 + 120)
+            relay_argv = [PY, str(BENCH / "relay_server.py"), "--backend", base_url, "--port", "0"]
+            with server("relay", relay_argv, "READY ") as relay:
+                target = ["--direct", base_url, "--proxy", f"http://{srv.address}", "--store", m.group(1)]
+                target += ["--relay", f"http://{relay.address}"]
+                args = ["--model", "tiny", "--calls", str(cfg["calls"]), "--concurrent-calls"]
+                args += [str(cfg["concurrent_calls"]), "--concurrency", str(cfg["concurrency"])]
+                args += ["--rounds", str(cfg["rounds"])]
+                args += ["--max-seconds", str(cfg["max_seconds"])]
+                result = drive(PY, "proxy_peer.py", target, args, cfg["max_seconds"] * 5 + 120)
             result["engine"] = cfg["engine"]
             result["peak_rss_mib"] = round(srv.rss.peak / 2**20, 1)
     return result
@@ -616,11 +619,13 @@ def proxy_markdown(res: dict[str, Any] | None) -> list[str]:
         f"| path | 1 agent p50/p99 ms | {res['concurrency']} agents calls/s | {res['concurrency']} agents p50/p99 ms |",
         "|---|---|---|---|",
     ]
-    for path in ("direct", "via_proxy"):
-        one, many = res[path]["agents_1"], res[path][k]
+    for path in ("direct", "via_relay", "via_proxy"):
+        if path not in res:
+            continue
+        one, many = res[path].get("agents_1"), res[path][k]
+        single = f"{one['p50_ms']}/{one['p99_ms']}" if one else "-"
         lines.append(
-            f"| {path} | {one['p50_ms']}/{one['p99_ms']} | {_fmt(many['calls_per_s'], 1)} | "
-            f"{many['p50_ms']}/{many['p99_ms']} |"
+            f"| {path} | {single} | {_fmt(many['calls_per_s'], 1)} | {many['p50_ms']}/{many['p99_ms']} |"
         )
     added = res["added_ms"]
     lines.append(
@@ -634,7 +639,23 @@ def proxy_markdown(res: dict[str, Any] | None) -> list[str]:
             f"At {res['concurrency']} agents the paths took turns, {len(rounds)} rounds each; calls/s through the "
             f"proxy ÷ direct by round: {', '.join(_fmt(r, 2) for r in rounds)} (the figure is their median).",
         ]
-    return [*lines, *_engine_batch_lines(res, k), ""]
+    return [*lines, *_relay_lines(res), *_engine_batch_lines(res, k), ""]
+
+
+def _relay_lines(res: dict[str, Any]) -> list[str]:
+    """The bare relay's ratio (bench/relay_server.py), the floor the proxy's ratio is read against."""
+    ratio, rounds = res.get("relay_throughput_ratio"), res.get("relay_throughput_ratio_rounds")
+    if ratio is None or not rounds:
+        return []
+    proxy = res.get("throughput_ratio")
+    share = f"; the proxy keeps {_fmt(proxy / ratio, 2)} of the relay's calls/s" if proxy and ratio else ""
+    return [
+        "",
+        "via_relay is `bench/relay_server.py`: the same call relayed to the same engine by a bare aiohttp "
+        "server, nothing checked, rewritten, parsed or recorded, taking its turn in each round between the "
+        f"other two. Calls/s through it ÷ direct: {_fmt(ratio, 2)} (by round: "
+        f"{', '.join(_fmt(r, 2) for r in rounds)}){share}.",
+    ]
 
 
 def _engine_batch_lines(res: dict[str, Any], k: str) -> list[str]:

@@ -73,9 +73,12 @@ def test_the_benchmark_harness_runs_every_grpc_peer_and_writes_its_reports(tmp_p
     proxy = report["proxy_overhead"]  # through `serve --proxy-backend` to the embedded engine, and direct
     assert "error" not in proxy, proxy
     assert proxy["spans_recorded_agent0"] > 0 and proxy["throughput_ratio"] > 0
-    for path in ("direct", "via_proxy"):  # the engine's batch on each path, from its /metrics
+    for path in ("direct", "via_relay", "via_proxy"):  # the engine's batch on each path, from its /metrics
         engine = proxy[path][f"agents_{proxy['concurrency']}"]["engine"]
         assert engine["steps_per_call"] > 0 and engine["rows_per_decode_pass"] >= 1, engine
+    # the bare relay (bench/relay_server.py) took its turn: every call answered, and its ratio reported
+    assert proxy["via_relay"]["errors"] == 0 and proxy["relay_throughput_ratio"] > 0
     markdown = (tmp_path / "latest.md").read_text()
     assert "| goal | figure | target | met |" in markdown
     assert "rows a decode pass" in markdown
+    assert "| via_relay | - |" in markdown and "Calls/s through it ÷ direct" in markdown
