@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
@@ -40,13 +39,7 @@ async def main(backend: str, port: int) -> None:
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     print(f"READY {bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
-    await session.close()
+    await asyncio.Event().wait()  # until SIGTERM ends the process: it holds nothing to write out
 
 
 if __name__ == "__main__":
