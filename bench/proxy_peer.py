@@ -10,7 +10,7 @@ turns; plus ``added`` (via_proxy minus direct) and the throughput ratio: the med
 (a round of 640 calls lasts about a second here, too short for one round a path to be the figure).
 Through the proxy each agent calls its own attempt's route (/rollout/{id}/attempt/{id}/v1), made
 here with StoreClient.start_rollout, so every call is admitted by the Store and recorded as a span.
-Both paths post the same body (max_tokens 8, temperature 0 by default) with one shared aiohttp
+Every path posts the same body (max_tokens 8, temperature 0 by default) with one shared aiohttp
 session, the lightest Python client, so the figures show the proxy rather than the client; warm-up
 calls are not counted. Only 127.0.0.1.
 
@@ -199,10 +199,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         ]  # type: ignore[union-attr]
         direct = Path("direct", [args.direct] * agents, http, args.model, args.max_tokens)
         proxied = Path("via_proxy", routes, http, args.model, args.max_tokens)
-        relay_base = (args.relay or "").rstrip("/").removesuffix("/v1")
-        relayed = [route.replace(proxy_base, relay_base, 1) for route in routes]
-        relay = Path("via_relay", relayed, http, args.model, args.max_tokens)
-        paths = (direct, relay, proxied) if args.relay else (direct, proxied)
+        relay = None
+        if args.relay:  # the same routes on the relay, which takes and ignores the attempt prefix
+            relay_base = args.relay.rstrip("/").removesuffix("/v1")
+            relayed = [route.replace(proxy_base, relay_base, 1) for route in routes]
+            relay = Path("via_relay", relayed, http, args.model, args.max_tokens)
+        paths = (direct, proxied) if relay is None else (direct, relay, proxied)
         started = time.monotonic()
         deadline = started + args.max_seconds
 
@@ -249,7 +251,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             by_round = ratios[name]
             out[f"{prefix}throughput_ratio"] = round(statistics.median(by_round), 3) if by_round else None
             out[f"{prefix}throughput_ratio_rounds"] = [round(r, 3) for r in by_round]
-    if args.relay:
+    if relay is not None:
         out["via_relay"] = {f"agents_{agents}": many["via_relay"], "errors": relay.errors}
         if relay.errors:
             out["via_relay"]["last_error"] = relay.last_error
