@@ -9,7 +9,7 @@ every hand-framed message against the generated classes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -152,15 +152,48 @@ def bytes_views(package: str, *messages: Descriptor, field: str = "spans") -> di
     }
 
 
-def _add_with_dependencies(pool: descriptor_pool.DescriptorPool, file: FileDescriptor) -> None:
-    """Add ``file`` to ``pool`` after the files it imports, each once."""
+def _add_with_dependencies(
+    pool: descriptor_pool.DescriptorPool,
+    file: FileDescriptor,
+    change: Callable[[descriptor_pb2.FileDescriptorProto], None] | None = None,
+) -> None:
+    """Add ``file`` to ``pool`` after the files it imports, each once, each changed by ``change`` if given."""
     try:
         pool.FindFileByName(file.name)
         return
     except KeyError:
         pass
     for dependency in file.dependencies:
-        _add_with_dependencies(pool, dependency)
+        _add_with_dependencies(pool, dependency, change)
     proto = descriptor_pb2.FileDescriptorProto()
     file.CopyToProto(proto)
+    if change is not None:
+        change(proto)
     pool.Add(proto)
+
+
+# ------------------------------------------------------------------ views that read maps as their entries
+
+
+def map_entry_view(message: Descriptor) -> Any:
+    """A copy of ``message`` whose map fields (its own and those of every message it holds) are read as
+    the repeated entry messages they are on the wire.
+
+    A map and ``repeated`` of its entry message have the same wire format, so the view accepts exactly the
+    bytes the contract's message accepts, every nested field parsed and checked as the contract declares
+    it (UTF-8 strings included), without building a hash table for each map. It is for checking that a message
+    parses and reading its plain fields; a map's last entry for a key is the one the contract would keep.
+    The view and copies of the files it depends on live in a private descriptor pool under their own names.
+    """
+    pool = descriptor_pool.DescriptorPool()
+    _add_with_dependencies(pool, message.file, _entries_not_maps)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(message.full_name))
+
+
+def _entries_not_maps(proto: descriptor_pb2.FileDescriptorProto) -> None:
+    pending = list(proto.message_type)
+    while pending:
+        m = pending.pop()
+        if m.options.map_entry:
+            m.options.ClearField("map_entry")
+        pending.extend(m.nested_type)

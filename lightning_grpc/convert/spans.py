@@ -23,7 +23,7 @@ from lightning_grpc.store.state import SpanRecord
 from lightning_grpc.v1 import span_pb2
 from lightning_grpc.v1 import store_service_pb2 as store_pb
 
-from .framing import bytes_views
+from .framing import bytes_views, map_entry_view
 from .values import attributes_from_pb, attributes_to_pb, otlp_attributes_to_pb
 
 if TYPE_CHECKING:
@@ -193,24 +193,28 @@ def otlp_span_to_pb(src: otlp_trace.Span, scope: otlp_common.InstrumentationScop
 # ------------------------------------------------------------------ spans as the store keeps them
 
 
-#: A batch of spans parsed at once: a message of the contract with ``repeated Span spans``, and its copy that
-#: holds the same spans serialized (see :func:`.framing.bytes_views`).
-_Batch = store_pb.AddSpansStreamRequest
-_BatchOfBytes: Any = bytes_views("lightning_grpc.convert.batch", _Batch.DESCRIPTOR)[
+#: A batch of spans parsed at once: a message of the contract with ``repeated Span spans``, read with its maps
+#: as their entries (see :func:`.framing.map_entry_view`: it accepts the same bytes, in about two thirds of the
+#: time for the attributes of an LLM call), and its copy that holds the same spans serialized (see
+#: :func:`.framing.bytes_views`).
+_Batch: Any = map_entry_view(store_pb.AddSpansStreamRequest.DESCRIPTOR)
+_BatchOfBytes: Any = bytes_views("lightning_grpc.convert.batch", store_pb.AddSpansStreamRequest.DESCRIPTOR)[
     "AddSpansStreamRequestRaw"
 ]
 
 
-def span_records(spans: Iterable[bytes]) -> list[SpanRecord]:
+def span_records(spans: Iterable[bytes], *, stream_request: bytes | None = None) -> list[SpanRecord]:
     """Serialized spans as store records, each parsed in full so that only readable spans are stored.
 
     The stored body is the span exactly as received; its ids come from the parsed message. The batch is
-    parsed in one call (one call a span costs a fifth more); a batch that does not parse is parsed again
-    span by span, to name the span at fault.
+    parsed in one call (one call a span costs a fifth more): ``stream_request`` when the spans are those of
+    that serialized AddSpansStreamRequest, else a batch built of them. A batch that does not parse is parsed
+    again span by span, to name the span at fault.
     """
     bodies = list(spans)
+    batch = stream_request if stream_request is not None else _BatchOfBytes(spans=bodies).SerializeToString()
     try:
-        parsed: Any = _Batch.FromString(_BatchOfBytes(spans=bodies).SerializeToString()).spans
+        parsed: Any = _Batch.FromString(batch).spans
     except DecodeError:
         parsed = _each_span(bodies)
     return [

@@ -42,10 +42,12 @@ def check_duration(seconds: float, field: str) -> None:
         raise InvalidArgumentError(field, f"must be a positive google.protobuf.Duration (got {seconds:g} s)")
 
 
-def _span_records(spans: Any, rollout_id: str, attempt_id: str) -> list[SpanRecord]:
+def _span_records(
+    spans: Any, rollout_id: str, attempt_id: str, stream_request: bytes | None = None
+) -> list[SpanRecord]:
     """The spans of a write, once the caller may write every attempt they name: a span's own ids win over
     the request's, so each is checked (PERMISSION_DENIED before anything is stored)."""
-    records = convert.span_records(spans)
+    records = convert.span_records(spans, stream_request=stream_request)
     caller.authorize_spans((r.rollout_id or rollout_id, r.attempt_id or attempt_id) for r in records)
     return records
 
@@ -319,7 +321,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
     async def AddSpansStream(
         self, request_iterator: AsyncIterator[Any], context: Ctx
     ) -> AsyncIterator[pb.AddSpansStreamResponse]:
-        """Each request is a wire.AddSpansStreamRequestRaw: the spans stay serialized.
+        """Each request is a wire.SpanBatch: the spans stay serialized.
 
         Batches are stored in the order they arrive and answered in that order, each once it is durable;
         up to :data:`STREAM_BATCHES_IN_COMMIT` of a stream wait for their commit while the next are read, so
@@ -338,7 +340,7 @@ class StoreServicer(ServicerState, pb_grpc.StoreServiceServicer):
             raise batch.error()
         try:
             submitted = self.store.submit_spans(
-                _span_records(batch.spans, batch.rollout_id, batch.attempt_id),
+                _span_records(batch.spans, batch.rollout_id, batch.attempt_id, batch.data),
                 batch.rollout_id,
                 batch.attempt_id,
             )
@@ -554,7 +556,7 @@ _SESSION_HANDLERS: dict[str, Callable[[StoreServicer, Any, Ctx], Awaitable[Any]]
 #: Methods whose requests are read through the wire views, and whose answers are already bytes.
 RAW_REQUESTS = {
     "AddSpans": wire.AddSpansRequestRaw,
-    "AddSpansStream": wire.AddSpansStreamRequestRaw,
+    "AddSpansStream": wire.SpanBatch,
     "CompleteAttempt": wire.CompleteAttemptRequestRaw,
     "RunnerSession": wire.RunnerSessionRequestRaw,
 }

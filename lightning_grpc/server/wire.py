@@ -29,11 +29,37 @@ CompleteAttemptRequestRaw: Any = _VIEWS["CompleteAttemptRequestRaw"]
 #: Its complete_attempt is a CompleteAttemptRequestRaw.
 RunnerSessionRequestRaw: Any = _VIEWS["RunnerSessionRequestRaw"]
 
+
+class SpanBatch:
+    """An AddSpansStreamRequest as it arrived: its bytes, and the same bytes read by its view (``view``).
+
+    It reads as the view does (``batch.rollout_id``, ``batch.spans``...), and the batch's records are read
+    from ``data`` as it is (``convert.span_records(..., stream_request=data)``), so no batch is built again
+    from the spans to parse them. It stands for the request class where the server registers its
+    deserializer (``FromString`` and ``DESCRIPTOR``, as a message class has).
+    """
+
+    __slots__ = ("data", "view")
+    DESCRIPTOR = AddSpansStreamRequestRaw.DESCRIPTOR
+
+    def __init__(self, data: bytes, view: Any) -> None:
+        self.data = data
+        self.view = view
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.view, name)
+
+    @classmethod
+    def FromString(cls, data: bytes) -> SpanBatch:
+        return cls(data, AddSpansStreamRequestRaw.FromString(data))
+
+
 __all__ = [
     "AddSpansRequestRaw",
     "AddSpansStreamRequestRaw",
     "CompleteAttemptRequestRaw",
     "RunnerSessionRequestRaw",
+    "SpanBatch",
     "spans_message",
     "stored_span",
 ]

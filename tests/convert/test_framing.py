@@ -4,7 +4,10 @@ the hand-framed bytes parse with them and equal what SerializeToString gives for
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from google.protobuf.message import DecodeError
 
 from lightning_grpc import convert
 from lightning_grpc.convert import framing
@@ -177,3 +180,87 @@ def test_the_complete_attempt_view_keeps_spans_as_bytes_and_reads_its_other_mess
         pb.CompleteAttemptRequest(rollout_id="ro-1", attempt_id="at-1", status=3).SerializeToString()
     )
     assert not bare.HasField("metadata") and not bare.HasField("dequeue_next") and not bare.spans
+
+
+# ------------------------------------------------------------------ the map-entry view the store parses spans with
+
+
+def _views_maps(descriptor: Any, seen: set[str] | None = None) -> list[str]:
+    """The map fields of a message and of every message it holds."""
+    seen = set() if seen is None else seen
+    if descriptor.full_name in seen:
+        return []
+    seen.add(descriptor.full_name)
+    maps = [
+        f.full_name for f in descriptor.fields if f.message_type and f.message_type.GetOptions().map_entry
+    ]
+    for f in descriptor.fields:
+        if f.message_type is not None:
+            maps += _views_maps(f.message_type, seen)
+    return maps
+
+
+def _rich_span() -> span_pb2.Span:
+    s = span(3)
+    s.attributes["nested"].kvlist_value.values.add(key="inner").value.array_value.values.add(string_value="ü")
+    s.resource["service.name"].string_value = "agent"
+    s.events.add(name="tool", time_unix_nano=5).attributes["ok"].bool_value = True
+    s.links.add(trace_id="ab" * 16, span_id="cd" * 8).attributes["w"].double_value = 0.5
+    s.status.code = span_pb2.SPAN_STATUS_CODE_ERROR
+    return s
+
+
+def test_the_map_entry_view_reads_the_contracts_bytes_with_no_map_left() -> None:
+    view = framing.map_entry_view(pb.AddSpansStreamRequest.DESCRIPTOR)
+    assert _views_maps(pb.AddSpansStreamRequest.DESCRIPTOR)  # the contract's span has maps
+    assert _views_maps(view.DESCRIPTOR) == []
+    request = pb.AddSpansStreamRequest(
+        batch_id=9, rollout_id="ro", attempt_id="at", spans=[_rich_span(), span(1)]
+    )
+    original = request.SerializeToString()
+    parsed = view.FromString(original)
+    assert parsed.SerializeToString() == original  # entries kept in the order they came: the very bytes
+    for mine, theirs in zip(parsed.spans, request.spans, strict=True):
+        assert (mine.span_id, mine.trace_id, mine.name, mine.status.code) == (
+            theirs.span_id,
+            theirs.trace_id,
+            theirs.name,
+            theirs.status.code,
+        )
+        assert {e.key for e in mine.attributes} == set(theirs.attributes)
+
+
+def _parses(message: Any, body: bytes) -> bool:
+    try:
+        message.FromString(body)
+    except DecodeError:
+        return False
+    return True
+
+
+def test_the_map_entry_view_refuses_exactly_what_the_contract_refuses() -> None:
+    view = framing.map_entry_view(span_pb2.Span.DESCRIPTOR)
+    good = span(1).SerializeToString()
+    entry = framing.length_delimited
+    refused = {
+        "truncated": good[:-2],
+        "bad UTF-8 key": good + entry(0x62, entry(0x0A, b"\xff")),
+        "bad UTF-8 value": good + entry(0x62, entry(0x0A, b"k") + entry(0x12, entry(0x0A, b"\xc3\x28"))),
+        "bad UTF-8 in an event's attribute": good
+        + entry(0x6A, entry(0x1A, entry(0x0A, b"k") + entry(0x12, entry(0x0A, b"\xe2\x82")))),
+        "a value that is not a message": good + entry(0x62, entry(0x0A, b"k") + entry(0x12, b"\xff\xff")),
+        "an entry cut short": good + entry(0x62, b"\x0a\x05ab"),
+    }
+    read = {
+        f"{case}, by {who}": body
+        for case, body in refused.items()
+        for who, message in (("the contract", span_pb2.Span), ("the view", view))
+        if _parses(message, body)
+    }
+    assert not read, f"spans read that should not be: {sorted(read)}"
+    twice = good + entry(0x62, entry(0x0A, b"n") + entry(0x12, b"\x18\x07"))  # "n" again, int_value 7
+    contract, mine = span_pb2.Span.FromString(twice), view.FromString(twice)
+    assert contract.attributes["n"].int_value == 7
+    assert [e.value.int_value for e in mine.attributes if e.key == "n"][
+        -1
+    ] == 7  # the last one, as the map keeps
