@@ -11,6 +11,7 @@ from google.protobuf.message import DecodeError
 
 from lightning_grpc import convert
 from lightning_grpc.convert import framing
+from lightning_grpc.errors import InvalidArgumentError
 from lightning_grpc.server import wire
 from lightning_grpc.store.state import SpanRecord
 from lightning_grpc.types import Span
@@ -157,6 +158,12 @@ def test_the_bytes_views_read_the_contracts_messages_with_spans_as_bytes() -> No
     assert (
         wire.AddSpansStreamRequestRaw.FromString(framing.stream_request(3, "r", "a", bodies)).spans == bodies
     )
+    batch = wire.SpanBatch.FromString(
+        framing.stream_request(3, "r", "a", bodies)
+    )  # AddSpansStream's requests
+    assert batch.data == framing.stream_request(3, "r", "a", bodies)
+    assert (batch.batch_id, batch.rollout_id, batch.attempt_id, list(batch.spans)) == (3, "r", "a", bodies)
+    assert wire.SpanBatch.DESCRIPTOR is wire.AddSpansStreamRequestRaw.DESCRIPTOR
 
 
 def test_the_complete_attempt_view_keeps_spans_as_bytes_and_reads_its_other_messages() -> None:
@@ -238,7 +245,7 @@ def _parses(message: Any, body: bytes) -> bool:
     return True
 
 
-def test_the_map_entry_view_refuses_exactly_what_the_contract_refuses() -> None:
+def test_the_map_entry_view_refuses_what_the_contract_refuses() -> None:
     view = framing.map_entry_view(span_pb2.Span.DESCRIPTOR)
     good = span(1).SerializeToString()
     entry = framing.length_delimited
@@ -261,6 +268,27 @@ def test_the_map_entry_view_refuses_exactly_what_the_contract_refuses() -> None:
     twice = good + entry(0x62, entry(0x0A, b"n") + entry(0x12, b"\x18\x07"))  # "n" again, int_value 7
     contract, mine = span_pb2.Span.FromString(twice), view.FromString(twice)
     assert contract.attributes["n"].int_value == 7
-    assert [e.value.int_value for e in mine.attributes if e.key == "n"][
-        -1
-    ] == 7  # the last one, as the map keeps
+    last = [e.value.int_value for e in mine.attributes if e.key == "n"][-1]
+    assert last == 7  # the last entry for a key is the one the contract's map keeps
+
+
+def test_span_records_read_a_stream_request_as_they_read_its_spans() -> None:
+    bodies = [
+        _rich_span().SerializeToString(),
+        span(1, rollout_id="ro-own", sequence_id=4).SerializeToString(),
+    ]
+    request = framing.stream_request(7, "ro", "at", bodies)
+    from_spans, from_request = (
+        convert.span_records(bodies),
+        convert.span_records(bodies, stream_request=request),
+    )
+    assert from_request == from_spans
+    assert [(r.span_id, r.rollout_id, r.sequence_id, r.body) for r in from_request] == [
+        (f"{4:016x}", "", 0, bodies[0]),
+        (f"{2:016x}", "ro-own", 4, bodies[1]),
+    ]
+    bad = [bodies[0], bodies[1][:-2]]
+    for stream_request in (None, framing.stream_request(7, "ro", "at", bad)):
+        with pytest.raises(InvalidArgumentError) as refused:
+            convert.span_records(bad, stream_request=stream_request)
+        assert refused.value.field == "spans[1]"
