@@ -376,24 +376,35 @@ ROW_KEYS = {
 
 def upsert(table: str, payload: list[dict[str, Any]], mark: str) -> tuple[str, list[tuple[Any, ...]]]:
     """The statement and parameters that write ``payload``'s rows of ``table`` whole (see :func:`upsert_sql`)."""
+    columns, values = row_values(payload)
+    return upsert_sql(table, columns, mark), values
+
+
+def row_values(payload: list[dict[str, Any]]) -> tuple[tuple[str, ...], list[tuple[Any, ...]]]:
+    """The columns of rows given as dicts with the same keys, and each row's values in their order."""
     columns = tuple(payload[0])
-    return upsert_sql(table, columns, mark), [tuple(r[c] for c in columns) for r in payload]
+    return columns, [tuple(r[c] for c in columns) for r in payload]
 
 
 @functools.lru_cache(maxsize=64)
-def upsert_sql(table: str, columns: tuple[str, ...], mark: str) -> str:
-    """The statement that writes a row of ``table`` (one of :data:`ROW_KEYS`) whole, ``mark`` being the
-    driver's parameter mark (``?`` or ``%s``).
+def upsert_parts(table: str, columns: tuple[str, ...]) -> tuple[str, str]:
+    """The statement that writes rows of ``table`` (one of :data:`ROW_KEYS`) whole, before and after its
+    VALUES: the INSERT with its columns, and the ON CONFLICT clause.
 
     A row already there is updated where it lies: a delete and a new insert (SQLite's ``INSERT OR
     REPLACE``) would move it to a new place in the table and rewrite each of its index entries, so a
     commit of one changed attempt dirtied several pages, not one."""
     key = ROW_KEYS[table]
     updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c != key)
-    return (
-        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(mark for _ in columns)})"
-        f" ON CONFLICT ({key}) DO UPDATE SET {updates}"
-    )
+    return f"INSERT INTO {table} ({', '.join(columns)})", f" ON CONFLICT ({key}) DO UPDATE SET {updates}"
+
+
+@functools.lru_cache(maxsize=64)
+def upsert_sql(table: str, columns: tuple[str, ...], mark: str) -> str:
+    """The statement that writes one row of ``table`` whole (see :func:`upsert_parts`), ``mark`` being the
+    driver's parameter mark (``?`` or ``%s``)."""
+    head, tail = upsert_parts(table, columns)
+    return f"{head} VALUES ({', '.join(mark for _ in columns)}){tail}"
 
 
 def merged_ops(submissions: Iterable[list[Op]]) -> list[Op]:

@@ -310,10 +310,10 @@ async def test_sqlite_state_survives_a_restart(tmp_path: Path) -> None:
 
 
 async def test_a_batch_larger_than_one_insert_statement_is_stored_whole_and_in_order(tmp_path: Path) -> None:
-    from lightning_grpc.store.sqlite import SPANS_PER_INSERT
+    from lightning_grpc.store.sqlite import ROWS_PER_STATEMENT
 
     db = tmp_path / "store.db"
-    count = SPANS_PER_INSERT * 2 + 37  # two full statements and a shorter one
+    count = ROWS_PER_STATEMENT * 2 + 37  # two full statements and three shorter ones (32, 4 and 1 spans)
     spans = make_spans(count)
     first = await start_server(ServerConfig(port=0, db=db))
     async with StoreClient(f"127.0.0.1:{first.port}") as c:
@@ -336,16 +336,30 @@ async def test_a_batch_larger_than_one_insert_statement_is_stored_whole_and_in_o
 def test_an_insert_statement_holds_no_more_spans_than_the_sqlite_library_takes_parameters() -> None:
     import sqlite3
 
-    from lightning_grpc.store.sqlite import SPANS_PER_INSERT, _spans_per_insert
+    from lightning_grpc.store.rows import SPAN_COLUMNS
+    from lightning_grpc.store.sqlite import ROWS_PER_STATEMENT, rows_per_statement
 
     conn = sqlite3.connect(":memory:")
     try:
         conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)  # the limit of SQLite before 3.32
-        assert _spans_per_insert(conn) == 90
+        assert rows_per_statement(conn, len(SPAN_COLUMNS)) == 64  # 90 would fit: the power of two below
+        assert rows_per_statement(conn, 1_000) == 1
         conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32_766)
-        assert _spans_per_insert(conn) == SPANS_PER_INSERT
+        assert rows_per_statement(conn, len(SPAN_COLUMNS)) == ROWS_PER_STATEMENT
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 63, 64, 65, 2047, 2048, 2049, 4133, 10_000])
+def test_a_commits_rows_take_few_statements_of_few_sizes(count: int) -> None:
+    from lightning_grpc.store.sqlite import statement_sizes
+
+    most = 2048
+    sizes = list(statement_sizes(count, most))
+    assert sum(sizes) == count
+    assert sizes == sorted(sizes, reverse=True)
+    assert all(s <= most and s & (s - 1) == 0 for s in sizes)  # powers of two: 12 statement texts at most
+    assert len(sizes) == count // most + bin(count % most).count("1")
 
 
 async def _first_events(client: StoreClient, n: int):  # type: ignore[no-untyped-def]
