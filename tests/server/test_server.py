@@ -313,7 +313,7 @@ async def test_a_batch_larger_than_one_insert_statement_is_stored_whole_and_in_o
     from lightning_grpc.store.sqlite import ROWS_PER_STATEMENT
 
     db = tmp_path / "store.db"
-    count = ROWS_PER_STATEMENT * 2 + 37  # two full statements and three shorter ones (32, 4 and 1 spans)
+    count = ROWS_PER_STATEMENT * 2 + 37  # two full statements, then three of 32, 4 and 1 spans
     spans = make_spans(count)
     first = await start_server(ServerConfig(port=0, db=db))
     async with StoreClient(f"127.0.0.1:{first.port}") as c:
@@ -352,13 +352,13 @@ def test_an_insert_statement_holds_no_more_spans_than_the_sqlite_library_takes_p
 
 @pytest.mark.parametrize("count", [1, 2, 3, 63, 64, 65, 2047, 2048, 2049, 4133, 10_000])
 def test_a_commits_rows_take_few_statements_of_few_sizes(count: int) -> None:
-    from lightning_grpc.store.sqlite import statement_sizes
+    from lightning_grpc.store.sqlite import ROWS_PER_STATEMENT, statement_sizes
 
-    most = 2048
+    most = ROWS_PER_STATEMENT
     sizes = list(statement_sizes(count, most))
     assert sum(sizes) == count
     assert sizes == sorted(sizes, reverse=True)
-    assert all(s <= most and s & (s - 1) == 0 for s in sizes)  # powers of two: 12 statement texts at most
+    assert all(s <= most and s & (s - 1) == 0 for s in sizes)  # powers of two: 9 statement texts at most
     assert len(sizes) == count // most + bin(count % most).count("1")
 
 
