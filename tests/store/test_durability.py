@@ -814,6 +814,76 @@ async def test_a_full_disk_refuses_writes_loses_nothing_acknowledged_and_recover
         await again.stop()
 
 
+async def test_a_completion_that_claims_the_next_rollout_answers_once_both_are_stored(tmp_path: Path) -> None:
+    """CompleteAttempt with dequeue_next stages the claim without waiting for the outcome's commit, and
+    answers once both are stored: another connection to the file reads both. When the disk fills under
+    it, the call is answered UNAVAILABLE (held), and the same request sent again once there is room gets
+    the claim it may have made back, not a second one."""
+    import sqlite3
+
+    from lightning_grpc import convert
+    from lightning_grpc.client import StoreClient
+    from lightning_grpc.errors import UnavailableError
+    from lightning_grpc.server.app import ServerConfig, start_server
+    from lightning_grpc.store.sqlite import SqliteBackend
+    from lightning_grpc.types import AttemptStatus, RolloutStatus
+    from tests.helpers import make_spans
+
+    db = tmp_path / "claims.db"
+    running = await start_server(ServerConfig(port=0, db=db, grace=1.0))
+    backend = running.store.backend
+    assert isinstance(backend, SqliteBackend)
+    client = StoreClient(running.address, retry=None, timeout=10)
+
+    def stored() -> tuple[dict[str, int], list[str]]:
+        """Each rollout's status, and the rollouts with an active attempt of worker w, as the file has them."""
+        with sqlite3.connect(db) as conn:
+            status = dict(conn.execute("SELECT rollout_id, status FROM rollouts").fetchall())
+            attempts = conn.execute(
+                "SELECT rollout_id, status FROM attempts WHERE worker_id = 'w'"
+            ).fetchall()
+        return status, sorted(rid for rid, s in attempts if AttemptStatus(s).is_active)
+
+    try:
+        await client.enqueue_rollouts([{"input": i} for i in range(4)])
+        [first] = await client.dequeue_rollouts(worker_id="w")
+        assert first.latest_attempt is not None
+        _, done, [second] = await client.complete_and_dequeue(
+            first.rollout_id, first.latest_attempt.attempt_id, "succeeded", spans=make_spans(3), worker_id="w"
+        )
+        status, active = stored()
+        assert status[first.rollout_id] == int(done.status) and done.status.name == "SUCCEEDED"
+        assert status[second.rollout_id] == int(second.status) and active == [second.rollout_id]
+
+        assert second.latest_attempt is not None
+        request = pb.CompleteAttemptRequest(
+            rollout_id=second.rollout_id, attempt_id=second.latest_attempt.attempt_id, status=3
+        )
+        for span in make_spans(20):  # an outcome that needs more room than the file has
+            span.attributes["blob"] = "x" * 20_000
+            convert.span_to_pb(span, request.spans.add())
+        request.dequeue_next.worker_id = "w"
+        request.dequeue_next.request_id = "claim-after-second"
+        backend.set_max_bytes(db.stat().st_size)  # no more room
+        with pytest.raises(UnavailableError) as held:
+            await client._call("CompleteAttempt", request)
+        assert held.value.reason == "STORE_OUT_OF_SPACE"
+
+        backend.set_max_bytes(None)  # space returns
+        deadline = time.monotonic() + 10
+        while backend.out_of_space and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        answer = await client._call("CompleteAttempt", request)  # sent again, as a client retries it
+        assert answer.rollout.status == RolloutStatus.SUCCEEDED and len(answer.next_rollouts) == 1
+        status, active = stored()
+        assert status[second.rollout_id] == RolloutStatus.SUCCEEDED
+        assert active == [answer.next_rollouts[0].rollout_id]
+        assert len(await client.query_spans(second.rollout_id)) == 20
+    finally:
+        await client.close()
+        await running.stop()
+
+
 async def fill_until_full(client: Any, rid: str, aid: str) -> None:
     """Write big spans into an attempt until the store is out of space (the last write is held)."""
     from lightning_grpc.errors import UnavailableError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -80,6 +81,25 @@ class AttemptsSection(SpanStaging):
 
         ``spans`` of the attempt are stored in the same commit as the outcome.
         """
+        attempt, rollout, durable = await self._report_outcome(
+            rollout_id, attempt_id, status, message, metadata, spans
+        )
+        if durable is not None:
+            await durable
+        return attempt, rollout
+
+    async def _report_outcome(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: int,
+        message: str,
+        metadata: dict[str, Any] | None,
+        spans: list[SpanRecord] | None,
+    ) -> tuple[Attempt, Rollout, Coroutine[Any, Any, None] | None]:
+        """:meth:`complete_attempt` up to its commit: the outcome checked, applied and handed to the backend.
+        Returns the attempt and rollout as the outcome left them, and what waits until it is durable (None
+        when it already is)."""
         self._check_writable()
         rs, ast = self._attempt(rollout_id, attempt_id)
         try:
@@ -93,7 +113,7 @@ class AttemptsSection(SpanStaging):
         if not a.status.is_active:
             if a.status == outcome:  # a retried report of the same outcome
                 await self._durable()
-                return replace(a), self._snapshot(rs)
+                return replace(a), self._snapshot(rs), None
             raise FailedPreconditionError(
                 f"attempt {attempt_id} of rollout {rollout_id} already ended as {a.status}; "
                 f"its report of {outcome} is refused",
@@ -118,5 +138,5 @@ class AttemptsSection(SpanStaging):
             a.metadata = {**a.metadata, **extra}
         self._end_attempt(ast, outcome, message, now, tx)
         self._propagate(rs, ast, now, tx)
-        await self._apply(tx)
-        return replace(a), self._snapshot(rs)
+        durable = self._submit(tx)
+        return replace(a), self._snapshot(rs), durable

@@ -145,14 +145,23 @@ class Store(
 
         A bad dequeue is refused before anything is stored. ``bound_wait`` may shorten the dequeue's wait
         (in seconds) when it begins, for example to answer before the caller's deadline.
+
+        The claim does not wait for the outcome's commit: the backend commits in the order it is handed
+        writes, often both in one commit, and the answer waits for both. Whatever fails, the outcome is
+        durable (or its error raised) before this returns; a claim made for an answer that is then an error
+        is the claim a retry of its request id gets back.
         """
         nxt = dequeue_next
         self.check_dequeue(nxt.worker_id, nxt.max_rollouts, nxt.wait_timeout, nxt.request_id)
-        attempt, rollout = await self.complete_attempt(
+        attempt, rollout, reported = await self._report_outcome(
             rollout_id, attempt_id, status, message, metadata, spans
         )
-        wait = check_wait(nxt.wait_timeout, "wait_timeout")
-        if bound_wait is not None:
-            wait = bound_wait(wait)
-        claimed = await self.dequeue_rollouts(nxt.worker_id, nxt.max_rollouts, wait, nxt.request_id)
+        try:
+            wait = check_wait(nxt.wait_timeout, "wait_timeout")
+            if bound_wait is not None:
+                wait = bound_wait(wait)
+            claimed = await self.dequeue_rollouts(nxt.worker_id, nxt.max_rollouts, wait, nxt.request_id)
+        finally:
+            if reported is not None:
+                await reported
         return attempt, rollout, claimed
