@@ -34,8 +34,15 @@ from .state import AttemptState, ResourcesState, RolloutState, Txn, WorkerState
 INT64_MAX = 2**63 - 1
 
 
+#: The compact JSON of stored rows, made once: ``json.dumps`` with options builds an encoder on every call.
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
 def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """``value`` as the compact JSON the rows keep (an empty dict, the usual metadata, without the encoder)."""
+    if not value and isinstance(value, dict):
+        return "{}"
+    return _ENCODE(value)
 
 
 def config_to_dict(config: RolloutConfig) -> dict[str, Any]:

@@ -306,3 +306,14 @@ async def test_a_calls_heartbeat_that_moves_only_its_time_is_written_with_the_at
         assert on_disk() == (int(AttemptStatus.RUNNING), 1004.0)
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{}, {"k": {}}, {"é": [1.5, None, True, "line\u2028break", -0.0]}, [], None, 0, "", {"n": float("inf")}],
+)
+def test_rows_keep_the_compact_json_of_their_values(value: object) -> None:
+    import json
+
+    assert rows.dumps(value) == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    assert json.loads(rows.dumps(value)) == value
