@@ -12,10 +12,13 @@ the span shipper's in-process sink hands each batch to the Store without waiting
 from __future__ import annotations
 
 import asyncio
-import types
+import sys
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Generator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
+
+#: Whether tasks can start eagerly (Python 3.12 and later).
+_EAGER = sys.version_info >= (3, 12)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -99,10 +102,12 @@ async def answers_as_done(
 ) -> AsyncGenerator[Resp, None]:
     """The answers to ``messages``, one each, as each is done (answers say which message they answer).
 
-    Each message is handled as soon as it is read, in the order read: its handler runs at once, and in a
-    task of its own only from its first wait on (one that finishes without waiting, as the memory store's
-    calls do, costs no task and no trip around the event loop); at most ``depth`` are handled at once (the
-    stream is read no further until one is done). When reading raises
+    Each message is handled as soon as it is read, in the order read, by a task of its own (on Python 3.12
+    and later one started eagerly: a handler that finishes without waiting, as the memory store's calls do,
+    is answered without a trip around the event loop); at most ``depth`` are handled at once (the stream is
+    read no further until one is done). A handler runs as its own task from its first line, so
+    ``asyncio.timeout`` and ``asyncio.wait_for`` in it (3.12 builds the latter on the former) cancel that
+    handler and nothing else. When reading raises
     (the server drains), the messages already read are still answered and the error then ends the stream;
     when handling raises, the error ends the stream at once and the other handlers are cancelled (their
     messages stay unanswered: a client sends again what it has not seen answered).
@@ -122,18 +127,12 @@ async def answers_as_done(
         try:
             async for message in messages:
                 await room.acquire()
-                coroutine = handle(message)
-                try:
-                    waiting_on = coroutine.send(None)
-                except StopIteration as answered:
-                    room.release()
-                    done.put_nowait((answered.value, None))
+                task = _started(handle(message))
+                if task.done():  # answered without waiting
+                    finished(task)
+                    if task.cancelled() or task.exception() is not None:
+                        return
                     continue
-                except Exception as exc:
-                    room.release()
-                    done.put_nowait((None, exc))
-                    return
-                task = asyncio.ensure_future(_resumed(coroutine, waiting_on))
                 handling.add(task)
                 task.add_done_callback(finished)
         except Exception as exc:
@@ -143,7 +142,12 @@ async def answers_as_done(
         await _all_done(handling)
         done.put_nowait((None, StopAsyncIteration()))
 
+    def read_ended(task: asyncio.Task[None]) -> None:
+        if task.cancelled():  # not by this generator (it stops waiting first): end the stream, not hang it
+            done.put_nowait((None, RuntimeError("the stream's reader was cancelled")))
+
     reader = asyncio.ensure_future(read())
+    reader.add_done_callback(read_ended)
     try:
         while True:
             answer, error = await done.get()
@@ -158,24 +162,13 @@ async def answers_as_done(
             task.cancel()
 
 
-@types.coroutine
-def _resumed(coroutine: Coroutine[Any, Any, Resp], waiting_on: Any) -> Generator[Any, Any, Resp]:
-    """The rest of ``coroutine``, started elsewhere and now waiting on ``waiting_on`` (what its first
-    ``send`` gave): run as a task, it goes on exactly as if the task had started it."""
-    value = waiting_on
-    while True:
-        try:
-            sent = yield value
-        except BaseException as exc:  # thrown in by the task (a cancellation): passed on
-            try:
-                value = coroutine.throw(exc)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-        else:
-            try:
-                value = coroutine.send(sent)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+def _started(coroutine: Coroutine[Any, Any, Resp]) -> asyncio.Task[Resp]:
+    """``coroutine`` as a task: started at once where Python can (3.12's eager start: up to its first wait
+    it runs right here, with the task as the current one), else on the loop's next turn."""
+    if _EAGER:
+        loop = asyncio.get_running_loop()
+        return asyncio.Task(coroutine, loop=loop, eager_start=True)  # type: ignore[call-arg,unused-ignore]
+    return asyncio.ensure_future(coroutine)
 
 
 async def _all_done(tasks: set[asyncio.Task[Any]]) -> None:

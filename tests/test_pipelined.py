@@ -218,9 +218,8 @@ async def test_a_handler_error_ends_the_stream_at_once_and_cancels_the_others() 
     assert got == [] and handle.release[1].cancelled()
 
 
-async def test_a_handler_that_never_waits_is_answered_at_once_without_a_task_of_its_own() -> None:
+async def test_a_handler_that_never_waits_is_answered_at_once_while_another_waits() -> None:
     stream, waiting = Stream(), Handler()
-    tasks_before = len(asyncio.all_tasks())
 
     async def handle(message: object) -> str:
         n = int(str(message))
@@ -236,10 +235,61 @@ async def test_a_handler_that_never_waits_is_answered_at_once_without_a_task_of_
     stream.queue.put_nowait(2)
     await settle()
     assert got == ["at once 2"]  # answered while 1 waits
-    # the collector, the reader, and message 1's task: message 2 never had one
-    assert len(asyncio.all_tasks()) - tasks_before == 3
     stream.queue.put_nowait(3)
     with pytest.raises(LookupError):
         await asyncio.wait_for(task, 2)
     await settle()
     assert waiting.release[1].cancelled()
+
+
+async def test_a_handler_whose_wait_times_out_cancels_itself_and_the_stream_goes_on() -> None:
+    """asyncio.timeout (and, from Python 3.12, asyncio.wait_for, built on it) cancels the task that entered it:
+    each handler is that task from its first line, so a claim's wait that runs out does not stop the stream
+    being read (a session that stopped reading left its runner's heartbeats and claims unanswered)."""
+    stream = Stream()
+    never = asyncio.Event()
+    tasks: dict[object, tuple[asyncio.Task[object] | None, asyncio.Task[object] | None]] = {}
+
+    async def handle(message: object) -> str:
+        first = asyncio.current_task()
+        try:
+            if message == "timeout":
+                async with asyncio.timeout(0.05):
+                    await never.wait()
+            else:
+                await asyncio.wait_for(never.wait(), 0.05)
+        except TimeoutError:
+            tasks[message] = (first, asyncio.current_task())
+            return f"{message}: waited out"
+        return f"{message}: woken"
+
+    got: list[str] = []
+    task = asyncio.ensure_future(collect(answers_as_done(stream.messages(), handle, depth=8), got))
+    for message in ("timeout", "wait_for"):
+        stream.queue.put_nowait(message)
+        await asyncio.sleep(0.2)
+    stream.queue.put_nowait("wait_for again")
+    await asyncio.sleep(0.2)
+    stream.queue.put_nowait(StopAsyncIteration)
+    await asyncio.wait_for(task, 2)
+    assert got == ["timeout: waited out", "wait_for: waited out", "wait_for again: waited out"]
+    for first, last in tasks.values():
+        assert first is last and first is not None  # one task of its own, from its first line
+
+
+async def test_a_stream_whose_reader_is_cancelled_ends_with_an_error_instead_of_hanging() -> None:
+    async def messages() -> AsyncIterator[object]:
+        yield 1
+        reader = asyncio.current_task()
+        assert reader is not None
+        reader.cancel()  # what a stray timeout did to the reader before each handler was its own task
+        await asyncio.sleep(1)
+        yield 2
+
+    async def handle(message: object) -> str:
+        return f"answer {message}"
+
+    got: list[str] = []
+    with pytest.raises(RuntimeError, match="reader was cancelled"):
+        await asyncio.wait_for(collect(answers_as_done(messages(), handle, depth=8), got), 2)
+    assert got == ["answer 1"]
