@@ -8,6 +8,9 @@ a new one and sends again every message it has no answer to; all of them are saf
 request id, reports are fenced by the attempt). A server without RunnerSession (an older release) is asked
 with the unary RPCs instead. A stream that ends while a message is being written on it can end with
 grpc.aio's own INTERNAL instead of the server's status; it is opened again at once, to learn that status.
+A stream that stays open but answers nothing (no answer to any message since one that went unanswered for
+its whole timeout was sent) is given up: that call raises DeadlineExceededError, and a new stream takes every
+message still owed, so one stuck stream cannot leave a runner's heartbeats and claims unanswered for good.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class _Owed:
     answer: asyncio.Future[Any]
     #: The stream it was last sent on (a new stream sends it again).
     stream: int = field(default=-1)
+    #: When it was last sent (the event loop's clock).
+    sent_at: float = field(default=0.0)
 
 
 class RunnerSession(RunnerCalls):
@@ -76,6 +81,8 @@ class RunnerSession(RunnerCalls):
         self._writing = asyncio.Lock()  # a stream takes one write at a time
         self._unary = False  # the server has no RunnerSession: each message is its unary call
         self._closed = False
+        self._answered_at = 0.0  # when the current stream last answered (the event loop's clock)
+        self._replacing: asyncio.Task[None] | None = None  # a silent stream being given up
 
     @property
     def config(self) -> ClientConfig:  # type: ignore[override]
@@ -114,6 +121,7 @@ class RunnerSession(RunnerCalls):
                 await self._send(owed)
                 answer = await owed.answer
         except TimeoutError:
+            self._give_up_if_silent(owed)
             raise DeadlineExceededError(f"no answer to {method} on the runner session in time") from None
         finally:
             self._owed.pop(message_id, None)
@@ -129,7 +137,7 @@ class RunnerSession(RunnerCalls):
                 self._open()
             if owed.stream == self._streams - 1 or owed.answer.done():
                 return  # the stream was opened again meanwhile, and sent it
-            owed.stream = self._streams - 1
+            owed.stream, owed.sent_at = self._streams - 1, asyncio.get_running_loop().time()
             try:
                 await self._stream.write(owed.message)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -139,6 +147,7 @@ class RunnerSession(RunnerCalls):
         """A new stream (written with ``write``); the caller holds the write lock."""
         self._stream = self._stub.RunnerSession(metadata=self._metadata)  # type: ignore[call-arg]
         self._streams += 1
+        self._answered_at = asyncio.get_running_loop().time()
         return self._stream
 
     def _open(self) -> None:
@@ -152,14 +161,15 @@ class RunnerSession(RunnerCalls):
             try:
                 async for answer in stream:
                     failures = lost = 0
+                    self._answered_at = asyncio.get_running_loop().time()
                     owed = self._owed.get(answer.message_id)
                     if owed is not None and not owed.answer.done():
                         owed.answer.set_result(answer)
                 error: grpc.aio.AioRpcError | None = None
             except grpc.aio.AioRpcError as exc:
                 error = exc
-            if self._closed:
-                return
+            if self._closed or stream is not self._stream:
+                return  # closed, or given up as silent: another stream and reader took its messages
             if error is not None and status_lost_to_a_write(error) and lost < _LOST_STATUS_REOPENS:
                 lost += 1  # not the server's answer: ask again at once (a refusal, UNIMPLEMENTED, a drain)
                 log.debug("event=runner_session_status_lost owed=%d", len(self._owed))
@@ -177,8 +187,9 @@ class RunnerSession(RunnerCalls):
                 retry is None or failures >= retry.max_attempts
             ):
                 async with self._writing:  # a message sent from now on opens a new stream
-                    self._stream = None
-                    self._fail_owed(from_rpc_error(error) if error is not None else _ended())
+                    if stream is self._stream:  # (not given up meanwhile: its messages are on another)
+                        self._stream = None
+                        self._fail_owed(from_rpc_error(error) if error is not None else _ended())
                 return
             delay = min(retry.max_backoff, retry.initial_backoff * retry.backoff_multiplier ** (failures - 1))
             log.info(
@@ -187,15 +198,43 @@ class RunnerSession(RunnerCalls):
             await asyncio.sleep(delay)
             stream = await self._reopen()
 
-    async def _reopen(self) -> Any:
-        """A new stream, with every message still owed sent on it again, in the order they were first sent."""
+    def _give_up_if_silent(self, owed: _Owed) -> None:
+        """After ``owed`` went unanswered for its whole timeout: when its stream is still the current one and
+        has answered nothing since ``owed`` was sent, that stream is given up for a new one."""
+        if self._closed or self._stream is None or owed.stream != self._streams - 1:
+            return
+        if self._answered_at > owed.sent_at:
+            return  # the stream answers: this message is slow, not lost
+        log.warning(
+            "event=runner_session_silent owed=%d silent_for=%.1fs: opening a new stream",
+            len(self._owed),
+            asyncio.get_running_loop().time() - self._answered_at,
+        )
+        self._replacing = asyncio.get_running_loop().create_task(
+            self._replace(self._stream), name="lightning-runner-session"
+        )
+
+    async def _replace(self, silent: Any) -> None:
+        """A new stream and reader in place of ``silent`` (unless another took its place meanwhile), every
+        message still owed sent on it; ``silent`` is then cancelled (its reader sees it is not current)."""
+        stream = await self._reopen(replacing=silent)
+        if stream is None:
+            return
+        self._reader = asyncio.create_task(self._read(stream), name="lightning-runner-session")
+        silent.cancel()
+
+    async def _reopen(self, replacing: Any = None) -> Any:
+        """A new stream, with every message still owed sent on it again, in the order they were first sent.
+        With ``replacing``: only while that stream is still the current one (else None)."""
         async with self._writing:
+            if replacing is not None and (self._closed or self._stream is not replacing):
+                return None
             self._new_stream()
             for message_id in sorted(self._owed):
                 owed = self._owed[message_id]
                 if owed.answer.done():
                     continue
-                owed.stream = self._streams - 1
+                owed.stream, owed.sent_at = self._streams - 1, asyncio.get_running_loop().time()
                 try:
                     await self._stream.write(owed.message)
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError):

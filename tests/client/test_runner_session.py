@@ -177,6 +177,103 @@ async def test_an_unanswered_message_raises_deadline_exceeded_and_close_ends_the
         await server.stop(0)
 
 
+def silent_server() -> grpc.aio.Server:
+    """A server whose RunnerSession reads every message and answers none (the stream stays open)."""
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(
+        silent_session,
+        request_deserializer=pb.RunnerSessionRequest.FromString,
+        response_serializer=pb.RunnerSessionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("lightning.v1.StoreService", {"RunnerSession": handler}),)
+    )
+    return server
+
+
+class SilentFirst:
+    """The session's stub, whose first RunnerSession stream goes to a server that never answers; every later
+    stream is the real one."""
+
+    def __init__(self, stub: Any, silent: Any) -> None:
+        self.stub, self.silent, self.opened = stub, silent, 0
+
+    def RunnerSession(self, **kw: Any) -> Any:
+        self.opened += 1
+        return (self.stub if self.opened > 1 else self.silent).RunnerSession(**kw)
+
+
+async def test_a_stream_that_answers_nothing_is_given_up_and_its_owed_messages_go_on_a_new_one() -> None:
+    """A stream that stays open and never answers (a server whose stream reader died) must not leave the
+    runner's calls unanswered for good: the call that waited out its timeout fails, the stream is given up,
+    and a claim still owed is sent again on a new stream and answered."""
+    silent = silent_server()
+    port = silent.add_insecure_port("127.0.0.1:0")
+    await silent.start()
+    running = await start_server(ServerConfig(port=0))
+    try:
+        async with (
+            StoreClient(running.address, timeout=0.5) as client,
+            StoreClient(f"127.0.0.1:{port}") as silent_client,
+            client.runner_session() as session,
+        ):
+            session._stub = stub = SilentFirst(session._stub, silent_client._stub)
+            claim = asyncio.ensure_future(session.dequeue_rollout(worker_id="w1", wait=10))
+            await asyncio.sleep(0.1)
+            with pytest.raises(DeadlineExceededError):
+                await session.heartbeat_attempt("ro-1", "at-1")  # unanswered for its whole 0.5 s
+            [queued] = await client.enqueue_rollouts([{"input": "after"}])
+            claimed = await asyncio.wait_for(claim, 5)  # sent again on the new stream, and answered
+            assert claimed is not None and claimed.rollout_id == queued.rollout_id
+            assert stub.opened == 2
+            with pytest.raises(NotFoundError):  # the new stream answers what comes next
+                await session.heartbeat_attempt("ro-1", "at-1")
+            assert stub.opened == 2
+    finally:
+        await running.stop()
+        await silent.stop(0)
+
+
+async def heartbeats_only(
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Any]:
+    """A RunnerSession that answers heartbeats and leaves every other message unanswered."""
+    async for message in requests:
+        if message.WhichOneof("call") == "heartbeat_attempt":
+            answer = pb.RunnerSessionResponse(message_id=message.message_id)
+            answer.heartbeat_attempt.SetInParent()
+            yield answer
+
+
+async def test_a_message_unanswered_on_a_stream_that_answers_others_keeps_the_stream() -> None:
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(
+        heartbeats_only,
+        request_deserializer=pb.RunnerSessionRequest.FromString,
+        response_serializer=pb.RunnerSessionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("lightning.v1.StoreService", {"RunnerSession": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with StoreClient(f"127.0.0.1:{port}", timeout=0.5) as client:
+            session = client.runner_session()
+            claim = asyncio.ensure_future(session.dequeue_rollout(worker_id="w1"))
+            await asyncio.sleep(0.1)
+            await session.heartbeat_attempt("ro-1", "at-1")  # answered after the claim was sent
+            with pytest.raises(DeadlineExceededError):
+                await claim
+            await asyncio.sleep(0.1)
+            assert session._streams == 1  # slow, not lost: the stream is kept
+            await session.heartbeat_attempt("ro-1", "at-1")
+            assert session._streams == 1
+            await session.close()
+    finally:
+        await server.stop(0)
+
+
 #: What grpc.aio reports for a stream whose status it lost to a write made as the server ended the call.
 LOST = grpc.aio.AioRpcError(
     grpc.StatusCode.INTERNAL,

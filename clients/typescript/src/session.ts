@@ -6,7 +6,9 @@
  * share one session. When the stream breaks (UNAVAILABLE: the server restarts, a standby takes over) the
  * session opens a new one and sends again every message it has no answer to; all are safe to repeat (a
  * claim carries a request id, a report is fenced by its attempt). A server without RunnerSession (an older
- * release, UNIMPLEMENTED) is asked with the unary RPCs instead.
+ * release, UNIMPLEMENTED) is asked with the unary RPCs instead. A stream that stays open but answers
+ * nothing (no answer to any message since one that went unanswered for its whole timeout was sent) is given
+ * up: that call fails with DeadlineExceededError, and a new stream takes every message still owed.
  */
 import { create } from "@bufbuild/protobuf";
 import { Code, type Client } from "@connectrpc/connect";
@@ -23,6 +25,8 @@ import type { RetryConfig } from "./client.js";
 interface Owed {
   readonly message: RunnerSessionRequest;
   readonly settle: (answer: RunnerSessionResponse | typeof UNARY | LightningError) => void;
+  /** When it was last handed to a stream (performance.now()); 0: not yet. */
+  sentAt: number;
 }
 
 /** The answer that says: ask this message's unary RPC instead (the server has no RunnerSession). */
@@ -46,6 +50,10 @@ export class RunnerSession extends RunnerCalls {
   private unary = false;
   private closed = false;
   private readonly abort = new AbortController();
+  /** The stream now open, when it last answered (or opened), and whether it was given up as silent. */
+  private stream?: AbortController;
+  private answeredAt = 0;
+  private givenUp = false;
 
   constructor(
     private readonly raw: Client<typeof StoreService>,
@@ -80,8 +88,12 @@ export class RunnerSession extends RunnerCalls {
         this.owed.delete(id); // settled: not sent again on a new stream
         resolve(got);
       };
-      this.owed.set(id, { message, settle });
-      timer = setTimeout(() => settle(new DeadlineExceededError(`no answer to ${call} on the runner session in time`)), options.timeoutMs);
+      const owed: Owed = { message, settle, sentAt: 0 };
+      this.owed.set(id, owed);
+      timer = setTimeout(() => {
+        settle(new DeadlineExceededError(`no answer to ${call} on the runner session in time`));
+        this.giveUpIfSilent(owed.sentAt);
+      }, options.timeoutMs);
       onAbort = () => settle(fromConnectError(options.signal?.reason ?? new Error("aborted")));
       options.signal?.addEventListener("abort", onAbort, { once: true });
     });
@@ -105,6 +117,14 @@ export class RunnerSession extends RunnerCalls {
     return got.result.value as RunnerResponses[K];
   }
 
+  /** After a message sent at `sentAt` went unanswered for its whole timeout: a stream that has answered
+   * nothing since is given up, and `run` opens another at once. */
+  private giveUpIfSilent(sentAt: number): void {
+    if (this.closed || !this.stream || sentAt === 0 || this.answeredAt > sentAt) return;
+    this.givenUp = true;
+    this.stream.abort();
+  }
+
   private poke(): void {
     const wake = this.wake;
     this.wake = undefined;
@@ -121,7 +141,10 @@ export class RunnerSession extends RunnerCalls {
     this.outbox.length = 0; // all of them are owed, and sent below
     for (const id of [...this.owed.keys()].sort((a, b) => (a < b ? -1 : 1))) {
       const owed = this.owed.get(id);
-      if (owed) yield owed.message;
+      if (owed) {
+        owed.sentAt = performance.now();
+        yield owed.message;
+      }
     }
     while (!stream.aborted && !this.closed) {
       const message = this.outbox.shift();
@@ -132,7 +155,12 @@ export class RunnerSession extends RunnerCalls {
         });
         continue;
       }
-      if (this.owed.has(message.messageId)) yield message; // not one that timed out meanwhile
+      const owed = this.owed.get(message.messageId);
+      if (owed) {
+        // not one that timed out meanwhile
+        owed.sentAt = performance.now();
+        yield message;
+      }
     }
   }
 
@@ -141,12 +169,16 @@ export class RunnerSession extends RunnerCalls {
     let failures = 0;
     for (;;) {
       const stream = new AbortController();
+      this.stream = stream;
+      this.answeredAt = performance.now();
+      this.givenUp = false;
       const stop = () => stream.abort();
       this.abort.signal.addEventListener("abort", stop, { once: true });
       let error: LightningError | undefined;
       try {
         for await (const answer of this.raw.runnerSession(this.requests(stream.signal), { signal: stream.signal, timeoutMs: 0 })) {
           failures = 0;
+          this.answeredAt = performance.now();
           this.owed.get(answer.messageId)?.settle(answer);
         }
       } catch (caught) {
@@ -154,8 +186,13 @@ export class RunnerSession extends RunnerCalls {
       } finally {
         this.abort.signal.removeEventListener("abort", stop);
         stream.abort();
+        this.stream = undefined;
       }
       if (this.closed) return;
+      if (this.givenUp) {
+        this.givenUp = false; // silent, not broken: another stream at once, with every message owed
+        continue;
+      }
       if (error?.code === Code.Unimplemented) {
         this.unary = true; // an older server: every message, owed or to come, is its unary call
         this.settleAll(UNARY);

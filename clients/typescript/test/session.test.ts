@@ -8,6 +8,7 @@ import { after, before, describe, test } from "node:test";
 import { connectNodeAdapter } from "@connectrpc/connect-node";
 import {
   AttemptStatus,
+  DeadlineExceededError,
   FailedPreconditionError,
   NotFoundError,
   RolloutStatus,
@@ -158,6 +159,62 @@ describe("a server without RunnerSession (an older release)", () => {
       });
       assert.equal(rollout.status, RolloutStatus.SUCCEEDED);
       assert.equal(next.length, 1);
+    } finally {
+      await session.close();
+    }
+  });
+});
+
+describe("a stream that stays open and answers nothing", () => {
+  let server: Server;
+  let relay: Http2Server;
+  let address: string;
+  let opened = 0;
+  const sessions = new Set<ServerHttp2Session>();
+  before(async () => {
+    server = await startServer();
+    const store = new StoreClient(server.address);
+    // The first RunnerSession stream reads every message and answers none; every later one is the real
+    // server's.
+    const routes = connectNodeAdapter({
+      routes: (router) =>
+        router.service(StoreService, {
+          async *runnerSession(requests) {
+            opened += 1;
+            if (opened === 1) {
+              for await (const _ of requests);
+              return;
+            }
+            yield* store.raw.runnerSession(requests);
+          },
+        }),
+    });
+    relay = createServer(routes);
+    relay.on("session", (session) => sessions.add(session));
+    await new Promise<void>((resolve) => relay.listen(0, "127.0.0.1", resolve));
+    const bound = relay.address();
+    address = `127.0.0.1:${typeof bound === "object" && bound ? bound.port : 0}`;
+  });
+  after(async () => {
+    const closed = new Promise<void>((resolve) => relay.close(() => resolve()));
+    for (const session of sessions) session.destroy();
+    await closed;
+    await server.stop();
+  });
+
+  test("is given up: the call that waited fails, and a claim still owed is answered on a new stream", async () => {
+    const store = new StoreClient(server.address);
+    const session = new StoreClient({ target: address, timeout: 0.5 }).runnerSession();
+    try {
+      const claim = session.dequeueRollout({ workerId: "ts-silent", wait: 10 });
+      await new Promise((r) => setTimeout(r, 100));
+      await assert.rejects(session.heartbeatAttempt("ro-x", "at-x"), (error: unknown) => error instanceof DeadlineExceededError);
+      const [queued] = await store.enqueueRollouts([{ input: "after" }]);
+      const got = await claim;
+      assert.equal(got?.rolloutId, queued?.rolloutId);
+      assert.equal(opened, 2);
+      await assert.rejects(session.heartbeatAttempt("ro-x", "at-x"), (error: unknown) => error instanceof NotFoundError);
+      assert.equal(opened, 2);
     } finally {
       await session.close();
     }
