@@ -3,6 +3,7 @@ and what a long-running server process does once it has started."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -13,8 +14,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import IO, Any
 
 from lightning_grpc import environment
 
@@ -23,6 +25,23 @@ CLI = ["-m", "lightning_grpc.cli.main"]
 #: The lines of a child's output kept (the latest): a run's runners live for days, and an agent that prints,
 #: or fails, on every rollout would otherwise grow the run's memory by a line each time.
 KEPT_LINES = 10_000
+#: The most a child's output file (:func:`write_output_to`) holds before it is moved to ``<name>.log.1``
+#: (replacing the one there) and a new one begun.
+OUTPUT_FILE_BYTES = 64 * 1024 * 1024
+
+_output_dir: Path | None = None
+
+
+def write_output_to(folder: str | os.PathLike[str] | None) -> Path | None:
+    """From now on each child started here also writes its output, line by line as it comes, to
+    ``folder/<name>.log`` (appended: a child started again goes on in the same file), so that what a run's
+    server, engine and runners said is there to read while it runs and after it ends, however it ended.
+    None: their output is kept in memory only (:data:`KEPT_LINES` lines each). Returns the folder."""
+    global _output_dir
+    _output_dir = None if folder is None else Path(folder)
+    if _output_dir is not None:
+        _output_dir.mkdir(parents=True, exist_ok=True)
+    return _output_dir
 
 
 class Background:
@@ -57,6 +76,8 @@ class Background:
         except OSError as exc:  # a command that is not there, or not executable
             raise RuntimeError(f"{name}: cannot start {next(iter(args))!r}: {exc.strerror or exc}") from None
         self._lines: deque[str] = deque(maxlen=KEPT_LINES)
+        #: Where its output is written too (:func:`write_output_to`), or None.
+        self.output_path = None if _output_dir is None else _output_dir / f"{name}.log"
         self._closed = False
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
@@ -64,10 +85,15 @@ class Background:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
+        output = _OutputFile(self.output_path) if self.output_path is not None else None
         for line in self.proc.stdout:
             with self._changed:
                 self._lines.append(line.rstrip("\n"))
                 self._changed.notify_all()
+            if output is not None:
+                output.write(line)
+        if output is not None:
+            output.close()
         with self._changed:
             self._closed = True
             self._changed.notify_all()
@@ -129,6 +155,39 @@ class Background:
 
     def tail(self, lines: int = 20) -> str:
         return "\n".join(f"  | {line}" for line in self.last_lines(lines))
+
+
+class _OutputFile:
+    """A child's output file, written by its reader thread: each line as it comes (line-buffered, so a kill of
+    the whole run loses none), moved aside at :data:`OUTPUT_FILE_BYTES`; a write that fails (a full disk)
+    stops the writing, never the reading."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+        try:
+            self._file = open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+        except OSError as exc:
+            print(f"lightning-grpc: cannot write {path}: {exc}", file=sys.stderr)
+
+    def write(self, line: str) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(line if line.endswith("\n") else line + "\n")
+            if self._file.tell() >= OUTPUT_FILE_BYTES:
+                self._file.close()
+                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                self._file = open(self.path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+        except OSError as exc:
+            print(f"lightning-grpc: stopped writing {self.path}: {exc}", file=sys.stderr)
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
 
 
 def log_field(line: str, key: str) -> str:

@@ -1,4 +1,5 @@
-"""Child processes of a run (engine, server, runners) stop when the run that started them is gone."""
+"""Child processes of a run (engine, server, runners): they stop when the run that started them is gone, keep
+only their latest lines in memory, and write what they say to files when asked."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
+import pytest
 
+from lightning_grpc import processes
 from lightning_grpc.processes import KEPT_LINES, Background
 from tests.engine_fixtures import QUIET_ENV
 
@@ -85,3 +89,45 @@ def test_a_child_that_prints_without_end_keeps_only_its_latest_lines() -> None:
         assert chatty.last_lines(2) == [f"rollout {printed - 1} done", "event=runner_exit"]
     finally:
         chatty.stop(timeout=5)
+
+
+def finished(name: str, code: str) -> Background:
+    child = Background(name, ["-c", code], {})
+    child.proc.wait(30)
+    child.read_to_end(10)
+    return child
+
+
+def test_a_childs_output_goes_to_its_file_line_by_line_and_a_restart_goes_on_in_it(tmp_path: Path) -> None:
+    folder = processes.write_output_to(tmp_path / "logs")
+    try:
+        first = finished("runners-0", "print('event=runner_started'); print('a second line', flush=True)")
+        assert first.output_path == tmp_path / "logs" / "runners-0.log"
+        again = finished("runners-0", "import sys; print('started again'); sys.stdout.write('no newline')")
+        assert again.output_path == first.output_path
+        finished("server", "print('event=server_started')")
+    finally:
+        processes.write_output_to(None)
+    assert folder is not None
+    assert (folder / "runners-0.log").read_text() == (
+        "event=runner_started\na second line\nstarted again\nno newline\n"
+    )
+    assert (folder / "server.log").read_text() == "event=server_started\n"
+    after = finished("runners-0", "print('after the run')")  # none once the run has ended
+    assert after.output_path is None and "after the run" not in (folder / "runners-0.log").read_text()
+
+
+def test_a_childs_output_file_is_moved_aside_when_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(processes, "OUTPUT_FILE_BYTES", 1000)
+    processes.write_output_to(tmp_path)
+    try:
+        chatty = finished("runners-0", "for i in range(300): print(f'rollout {i:04d} done')")
+    finally:
+        processes.write_output_to(None)
+    assert chatty.output_path is not None
+    kept, older = chatty.output_path.read_text(), (tmp_path / "runners-0.log.1").read_text()
+    assert older.startswith("rollout ") and len(older.encode()) >= 1000
+    assert kept.endswith("rollout 0299 done\n") and 0 < len(kept.encode()) < 1000 + 20
+    assert len(chatty.lines) == 300  # the lines in memory are all there, whatever the files hold

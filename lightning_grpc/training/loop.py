@@ -37,7 +37,7 @@ with extra_imports("train"):
     import psutil
     import torch
 
-from lightning_grpc import environment, logs, semconv
+from lightning_grpc import environment, logs, processes, semconv
 from lightning_grpc.algorithm import final_reward
 from lightning_grpc.batching.options import Aggregation
 from lightning_grpc.client import ClientConfig, StoreClient, TrainerClient
@@ -90,6 +90,7 @@ SIGNAL_GRACE_S = 3.0
 
 #: How far the run got, in its output directory (read by a resumed run).
 RUN_STATE = recovery.RUN_STATE
+LOGS = recovery.LOGS
 
 PRINTED = (
     "reward_mean",
@@ -331,6 +332,14 @@ class TrainingRun:
 
     # ------------------------------------------------------------ the run
     async def run(self) -> RunResult:
+        # what the run's children say (server, engine, runners), in files beside the run's other output
+        processes.write_output_to(self.out / LOGS)
+        try:
+            return await self._run()
+        finally:
+            processes.write_output_to(None)
+
+    async def _run(self) -> RunResult:
         started = time.monotonic()
         model_dir = self.model_dir()
         if self.backend is None:
@@ -358,6 +367,7 @@ class TrainingRun:
             current_version=lambda: self.policy_version,
         )
         self._restartable_engine(model_dir)
+        self.say(f"the services' output: {self.out / LOGS}")
         if self.services.dashboard_url:
             self.say(f"dashboard (rollouts, traces, training curves, live): {self.services.dashboard_url}")
         loop = asyncio.get_running_loop()

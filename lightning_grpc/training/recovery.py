@@ -29,6 +29,9 @@ PARTIAL = ".partial"
 #: The file of a checkpoint of the one-process learner; a learner with ranks writes ``sharded/`` instead.
 STATE_MARKERS = (STATE_FILE, SHARDED_DIR)
 JOURNAL = "interruptions.jsonl"
+#: The folder of the output directory that holds each child's output (``<child>.log``, see
+#: :func:`lightning_grpc.processes.write_output_to`).
+LOGS = "logs"
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -124,8 +127,9 @@ def store_files(db: Path) -> Iterator[Path]:
 
 
 def clear_for_fresh_start(output_dir: Path, db: Path | None, *, checkpoints: bool) -> None:
-    """Before a run that starts at step 1: the store and journal of an earlier run there go (its group and
-    batch ids would be taken for this run's), and with ``checkpoints`` its checkpoints too."""
+    """Before a run that starts at step 1: the store, journal and children's output of an earlier run there
+    go (its group and batch ids would be taken for this run's), and with ``checkpoints`` its checkpoints
+    too."""
     if db is not None:
         for path in store_files(db):
             path.unlink(missing_ok=True)
@@ -134,6 +138,7 @@ def clear_for_fresh_start(output_dir: Path, db: Path | None, *, checkpoints: boo
             if (output_dir / name).is_dir():
                 shutil.rmtree(output_dir / name)
     (output_dir / JOURNAL).unlink(missing_ok=True)
+    shutil.rmtree(output_dir / LOGS, ignore_errors=True)
 
 
 def check_database_is_empty(url: str) -> None:

@@ -103,6 +103,10 @@ def test_a_short_run_improves_the_reward_over_the_untrained_model(
         and (result.checkpoint / "model.safetensors").exists()
     )
     assert (config.output_dir / "reward.png").stat().st_size > 1000
+    # what the services said is on file beside the run's other output
+    logs = config.output_dir / "logs"
+    assert "event=server_started" in (logs / "server.log").read_text()
+    assert "event=runner_started" in (logs / "runners-0.log").read_text()
     # the engine served each new policy: later calls recorded later versions
     assert [int(float(r["policy_version"])) for r in history] == list(range(1, 31))
     text = report(result, None)

@@ -80,3 +80,13 @@ def train_command(tmp_path: Path, settings: dict[str, str]) -> list[str]:
 
 def train_env(vllm_python: str) -> dict[str, str]:
     return {**QUIET_ENV, environment.VLLM_PYTHON: vllm_python}
+
+
+def services_output(out: Path, lines: int = 15) -> str:
+    """The last lines each of the run's services wrote to its file in ``out/logs`` (for a failure's message)."""
+    folder = out / "logs"
+    parts = []
+    for path in sorted(folder.glob("*.log")) if folder.is_dir() else []:
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {path.name}\n" + "\n".join(tail))
+    return "\n".join(parts)

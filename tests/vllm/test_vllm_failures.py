@@ -25,7 +25,7 @@ from lightning_grpc.training.engines import VllmEngine
 from tests.engine_fixtures import ROOT
 
 from .conftest import MODEL, vllm_backend
-from .helpers import MESSAGES, agent, llm_spans, new_attempt, train_command, train_env
+from .helpers import MESSAGES, agent, llm_spans, new_attempt, services_output, train_command, train_env
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -129,7 +129,9 @@ def wait_for_step(
     metrics = out / "metrics.csv"
     while not (metrics.exists() and any(r["step"] == str(step) for r in csv.DictReader(metrics.open()))):
         assert run.poll() is None, f"the run ended (code {run.returncode}):\n{log.read_text()[-6000:]}"
-        assert time.monotonic() < deadline, f"no step {step} in {timeout:.0f} s:\n{log.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, (
+            f"no step {step} in {timeout:.0f} s:\n{log.read_text()[-6000:]}\n{services_output(out)}"
+        )
         time.sleep(0.5)
 
 
