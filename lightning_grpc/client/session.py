@@ -199,16 +199,18 @@ class RunnerSession(RunnerCalls):
             stream = await self._reopen()
 
     def _give_up_if_silent(self, owed: _Owed) -> None:
-        """After ``owed`` went unanswered for its whole timeout: when its stream is still the current one and
-        has answered nothing since ``owed`` was sent, that stream is given up for a new one."""
+        """After ``owed`` went unanswered for its whole timeout: when its stream is still the current one, has
+        answered nothing since ``owed`` was sent, and nothing for half the client's timeout at least (not a
+        stream just opened), that stream is given up for a new one."""
         if self._closed or self._stream is None or owed.stream != self._streams - 1:
             return
-        if self._answered_at > owed.sent_at:
-            return  # the stream answers: this message is slow, not lost
+        silent_for = asyncio.get_running_loop().time() - self._answered_at
+        if self._answered_at > owed.sent_at or silent_for < self.config.timeout / 2:
+            return  # the stream answers (this message is slow, not lost), or it is new
         log.warning(
             "event=runner_session_silent owed=%d silent_for=%.1fs: opening a new stream",
             len(self._owed),
-            asyncio.get_running_loop().time() - self._answered_at,
+            silent_for,
         )
         self._replacing = asyncio.get_running_loop().create_task(
             self._replace(self._stream), name="lightning-runner-session"
@@ -231,8 +233,8 @@ class RunnerSession(RunnerCalls):
                 return None
             self._new_stream()
             for message_id in sorted(self._owed):
-                owed = self._owed[message_id]
-                if owed.answer.done():
+                owed = self._owed.get(message_id)  # (one whose call gave up while others were written: gone)
+                if owed is None or owed.answer.done():
                     continue
                 owed.stream, owed.sent_at = self._streams - 1, asyncio.get_running_loop().time()
                 try:

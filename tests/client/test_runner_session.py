@@ -234,6 +234,52 @@ async def test_a_stream_that_answers_nothing_is_given_up_and_its_owed_messages_g
         await silent.stop(0)
 
 
+async def never_reads(
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Any]:
+    """A RunnerSession that reads nothing: once its window is full, a client's write waits for good."""
+    await asyncio.sleep(3600)
+    if False:  # pragma: no cover - makes this an async generator
+        yield
+
+
+async def test_a_stream_whose_write_waits_for_good_is_given_up_too() -> None:
+    unread = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(
+        never_reads,
+        request_deserializer=pb.RunnerSessionRequest.FromString,
+        response_serializer=pb.RunnerSessionResponse.SerializeToString,
+    )
+    unread.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("lightning.v1.StoreService", {"RunnerSession": handler}),)
+    )
+    port = unread.add_insecure_port("127.0.0.1:0")
+    await unread.start()
+    running = await start_server(ServerConfig(port=0))
+    try:
+        async with (
+            StoreClient(running.address, timeout=1.0) as client,
+            StoreClient(f"127.0.0.1:{port}") as unread_client,
+            client.runner_session() as session,
+        ):
+            session._stub = stub = SilentFirst(session._stub, unread_client._stub)
+            [queued] = await client.enqueue_rollouts([{"input": "big"}])
+            big = [Span(trace_id="c" * 32, span_id=f"{i + 1:016x}", name="x" * 200_000) for i in range(10)]
+            reports = [
+                asyncio.ensure_future(session.complete_attempt(f"ro-{i}", "at-1", "succeeded", spans=big))
+                for i in range(8)
+            ]  # 2 MB each: more than the stream's window takes
+            results = await asyncio.gather(*reports, return_exceptions=True)
+            assert any(isinstance(r, DeadlineExceededError) for r in results), results
+            # on a new stream, to the real server (which may still be refusing the reports sent again there)
+            claimed = await session.dequeue_rollout(worker_id="w1", wait=10)
+            assert claimed is not None and claimed.rollout_id == queued.rollout_id
+            assert stub.opened >= 2
+    finally:
+        await running.stop()
+        await unread.stop(0)
+
+
 async def heartbeats_only(
     requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
 ) -> AsyncIterator[Any]:

@@ -92,7 +92,7 @@ export class RunnerSession extends RunnerCalls {
       this.owed.set(id, owed);
       timer = setTimeout(() => {
         settle(new DeadlineExceededError(`no answer to ${call} on the runner session in time`));
-        this.giveUpIfSilent(owed.sentAt);
+        this.giveUpIfSilent(owed.sentAt, options.timeoutMs);
       }, options.timeoutMs);
       onAbort = () => settle(fromConnectError(options.signal?.reason ?? new Error("aborted")));
       options.signal?.addEventListener("abort", onAbort, { once: true });
@@ -118,9 +118,11 @@ export class RunnerSession extends RunnerCalls {
   }
 
   /** After a message sent at `sentAt` went unanswered for its whole timeout: a stream that has answered
-   * nothing since is given up, and `run` opens another at once. */
-  private giveUpIfSilent(sentAt: number): void {
+   * nothing since, and nothing for half that timeout at least (not one just opened), is given up, and `run`
+   * opens another at once. */
+  private giveUpIfSilent(sentAt: number, timeoutMs: number): void {
     if (this.closed || !this.stream || sentAt === 0 || this.answeredAt > sentAt) return;
+    if (performance.now() - this.answeredAt < timeoutMs / 2) return;
     this.givenUp = true;
     this.stream.abort();
   }
