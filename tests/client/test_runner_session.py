@@ -4,6 +4,7 @@ server restart, and falling back to the unary calls on a server without RunnerSe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from lightning_grpc.client import ClientConfig, RetryConfig, StoreClient
+from lightning_grpc.client import ClientConfig, RetryConfig, RunnerSession, StoreClient
 from lightning_grpc.client.errors import from_rpc_error
 from lightning_grpc.errors import (
     DeadlineExceededError,
@@ -150,17 +151,7 @@ async def silent_session(
 
 
 async def test_an_unanswered_message_raises_deadline_exceeded_and_close_ends_the_rest() -> None:
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(
-        silent_session,
-        request_deserializer=pb.RunnerSessionRequest.FromString,
-        response_serializer=pb.RunnerSessionResponse.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("lightning.v1.StoreService", {"RunnerSession": handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await session_server(silent_session)
     try:
         async with StoreClient(f"127.0.0.1:{port}", timeout=0.5) as client:
             session = client.runner_session()
@@ -177,18 +168,21 @@ async def test_an_unanswered_message_raises_deadline_exceeded_and_close_ends_the
         await server.stop(0)
 
 
-def silent_server() -> grpc.aio.Server:
-    """A server whose RunnerSession reads every message and answers none (the stream stays open)."""
+async def session_server(session: Any) -> tuple[grpc.aio.Server, int]:
+    """A started server on 127.0.0.1 whose RunnerSession is ``session`` (a stream-stream handler), and its
+    port."""
     server = grpc.aio.server()
     handler = grpc.stream_stream_rpc_method_handler(
-        silent_session,
+        session,
         request_deserializer=pb.RunnerSessionRequest.FromString,
         response_serializer=pb.RunnerSessionResponse.SerializeToString,
     )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("lightning.v1.StoreService", {"RunnerSession": handler}),)
     )
-    return server
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
 
 
 class SilentFirst:
@@ -203,35 +197,43 @@ class SilentFirst:
         return (self.stub if self.opened > 1 else self.silent).RunnerSession(**kw)
 
 
+@contextlib.asynccontextmanager
+async def first_stream_to(
+    peer: Any, timeout: float
+) -> AsyncIterator[tuple[StoreClient, RunnerSession, SilentFirst]]:
+    """A real server, its client (``timeout``) and a runner session of it whose first stream goes to a server
+    whose RunnerSession is ``peer`` instead; every later stream to the real one."""
+    other, port = await session_server(peer)
+    running = await start_server(ServerConfig(port=0))
+    try:
+        async with (
+            StoreClient(running.address, timeout=timeout) as client,
+            StoreClient(f"127.0.0.1:{port}") as peer_client,
+            client.runner_session() as session,
+        ):
+            session._stub = stub = SilentFirst(session._stub, peer_client._stub)
+            yield client, session, stub
+    finally:
+        await running.stop()
+        await other.stop(0)
+
+
 async def test_a_stream_that_answers_nothing_is_given_up_and_its_owed_messages_go_on_a_new_one() -> None:
     """A stream that stays open and never answers (a server whose stream reader died) must not leave the
     runner's calls unanswered for good: the call that waited out its timeout fails, the stream is given up,
     and a claim still owed is sent again on a new stream and answered."""
-    silent = silent_server()
-    port = silent.add_insecure_port("127.0.0.1:0")
-    await silent.start()
-    running = await start_server(ServerConfig(port=0))
-    try:
-        async with (
-            StoreClient(running.address, timeout=0.5) as client,
-            StoreClient(f"127.0.0.1:{port}") as silent_client,
-            client.runner_session() as session,
-        ):
-            session._stub = stub = SilentFirst(session._stub, silent_client._stub)
-            claim = asyncio.ensure_future(session.dequeue_rollout(worker_id="w1", wait=10))
-            await asyncio.sleep(0.1)
-            with pytest.raises(DeadlineExceededError):
-                await session.heartbeat_attempt("ro-1", "at-1")  # unanswered for its whole 0.5 s
-            [queued] = await client.enqueue_rollouts([{"input": "after"}])
-            claimed = await asyncio.wait_for(claim, 5)  # sent again on the new stream, and answered
-            assert claimed is not None and claimed.rollout_id == queued.rollout_id
-            assert stub.opened == 2
-            with pytest.raises(NotFoundError):  # the new stream answers what comes next
-                await session.heartbeat_attempt("ro-1", "at-1")
-            assert stub.opened == 2
-    finally:
-        await running.stop()
-        await silent.stop(0)
+    async with first_stream_to(silent_session, timeout=0.5) as (client, session, stub):
+        claim = asyncio.ensure_future(session.dequeue_rollout(worker_id="w1", wait=10))
+        await asyncio.sleep(0.1)
+        with pytest.raises(DeadlineExceededError):
+            await session.heartbeat_attempt("ro-1", "at-1")  # unanswered for its whole 0.5 s
+        [queued] = await client.enqueue_rollouts([{"input": "after"}])
+        claimed = await asyncio.wait_for(claim, 5)  # sent again on the new stream, and answered
+        assert claimed is not None and claimed.rollout_id == queued.rollout_id
+        assert stub.opened == 2
+        with pytest.raises(NotFoundError):  # the new stream answers what comes next
+            await session.heartbeat_attempt("ro-1", "at-1")
+        assert stub.opened == 2
 
 
 async def never_reads(
@@ -244,40 +246,19 @@ async def never_reads(
 
 
 async def test_a_stream_whose_write_waits_for_good_is_given_up_too() -> None:
-    unread = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(
-        never_reads,
-        request_deserializer=pb.RunnerSessionRequest.FromString,
-        response_serializer=pb.RunnerSessionResponse.SerializeToString,
-    )
-    unread.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("lightning.v1.StoreService", {"RunnerSession": handler}),)
-    )
-    port = unread.add_insecure_port("127.0.0.1:0")
-    await unread.start()
-    running = await start_server(ServerConfig(port=0))
-    try:
-        async with (
-            StoreClient(running.address, timeout=1.0) as client,
-            StoreClient(f"127.0.0.1:{port}") as unread_client,
-            client.runner_session() as session,
-        ):
-            session._stub = stub = SilentFirst(session._stub, unread_client._stub)
-            [queued] = await client.enqueue_rollouts([{"input": "big"}])
-            big = [Span(trace_id="c" * 32, span_id=f"{i + 1:016x}", name="x" * 200_000) for i in range(10)]
-            reports = [
-                asyncio.ensure_future(session.complete_attempt(f"ro-{i}", "at-1", "succeeded", spans=big))
-                for i in range(8)
-            ]  # 2 MB each: more than the stream's window takes
-            results = await asyncio.gather(*reports, return_exceptions=True)
-            assert any(isinstance(r, DeadlineExceededError) for r in results), results
-            # on a new stream, to the real server (which may still be refusing the reports sent again there)
-            claimed = await session.dequeue_rollout(worker_id="w1", wait=10)
-            assert claimed is not None and claimed.rollout_id == queued.rollout_id
-            assert stub.opened >= 2
-    finally:
-        await running.stop()
-        await unread.stop(0)
+    async with first_stream_to(never_reads, timeout=1.0) as (client, session, stub):
+        [queued] = await client.enqueue_rollouts([{"input": "big"}])
+        big = [Span(trace_id="c" * 32, span_id=f"{i + 1:016x}", name="x" * 200_000) for i in range(10)]
+        reports = [
+            asyncio.ensure_future(session.complete_attempt(f"ro-{i}", "at-1", "succeeded", spans=big))
+            for i in range(8)
+        ]  # 2 MB each: more than the stream's window takes
+        results = await asyncio.gather(*reports, return_exceptions=True)
+        assert any(isinstance(r, DeadlineExceededError) for r in results), results
+        # on a new stream, to the real server (which may still be refusing the reports sent again there)
+        claimed = await session.dequeue_rollout(worker_id="w1", wait=10)
+        assert claimed is not None and claimed.rollout_id == queued.rollout_id
+        assert stub.opened >= 2
 
 
 async def heartbeats_only(
@@ -292,17 +273,7 @@ async def heartbeats_only(
 
 
 async def test_a_message_unanswered_on_a_stream_that_answers_others_keeps_the_stream() -> None:
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(
-        heartbeats_only,
-        request_deserializer=pb.RunnerSessionRequest.FromString,
-        response_serializer=pb.RunnerSessionResponse.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("lightning.v1.StoreService", {"RunnerSession": handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await session_server(heartbeats_only)
     try:
         async with StoreClient(f"127.0.0.1:{port}", timeout=0.5) as client:
             session = client.runner_session()

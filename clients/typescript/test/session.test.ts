@@ -116,11 +116,27 @@ describe("a runner session", () => {
   });
 });
 
+/** An HTTP/2 server on 127.0.0.1 serving `routes` (connect-node), with its address and a close that ends its
+ * open sessions too. */
+async function serveRoutes(routes: ReturnType<typeof connectNodeAdapter>): Promise<{ address: string; close: () => Promise<void> }> {
+  const sessions = new Set<ServerHttp2Session>();
+  const server: Http2Server = createServer(routes);
+  server.on("session", (session) => sessions.add(session));
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const bound = server.address();
+  return {
+    address: `127.0.0.1:${typeof bound === "object" && bound ? bound.port : 0}`,
+    close: async () => {
+      const closed = new Promise<void>((resolve) => server.close(() => resolve()));
+      for (const session of sessions) session.destroy();
+      await closed;
+    },
+  };
+}
+
 describe("a server without RunnerSession (an older release)", () => {
   let server: Server;
-  let older: Http2Server;
-  let address: string;
-  const sessions = new Set<ServerHttp2Session>();
+  let older: { address: string; close: () => Promise<void> };
   before(async () => {
     server = await startServer();
     const store = new StoreClient(server.address);
@@ -134,21 +150,15 @@ describe("a server without RunnerSession (an older release)", () => {
           completeAttempt: (req) => store.raw.completeAttempt(req),
         }),
     });
-    older = createServer(routes);
-    older.on("session", (session) => sessions.add(session));
-    await new Promise<void>((resolve) => older.listen(0, "127.0.0.1", resolve));
-    const bound = older.address();
-    address = `127.0.0.1:${typeof bound === "object" && bound ? bound.port : 0}`;
+    older = await serveRoutes(routes);
   });
   after(async () => {
-    const closed = new Promise<void>((resolve) => older.close(() => resolve()));
-    for (const session of sessions) session.destroy();
-    await closed;
+    await older.close();
     await server.stop();
   });
 
   test("is asked with the unary calls instead", async () => {
-    const client = new StoreClient(address);
+    const client = new StoreClient(older.address);
     const session = client.runnerSession();
     try {
       await client.enqueueRollouts([{ input: 1 }, { input: 2 }]);
@@ -167,10 +177,8 @@ describe("a server without RunnerSession (an older release)", () => {
 
 describe("a stream that stays open and answers nothing", () => {
   let server: Server;
-  let relay: Http2Server;
-  let address: string;
+  let relay: { address: string; close: () => Promise<void> };
   let opened = 0;
-  const sessions = new Set<ServerHttp2Session>();
   before(async () => {
     server = await startServer();
     const store = new StoreClient(server.address);
@@ -189,22 +197,16 @@ describe("a stream that stays open and answers nothing", () => {
           },
         }),
     });
-    relay = createServer(routes);
-    relay.on("session", (session) => sessions.add(session));
-    await new Promise<void>((resolve) => relay.listen(0, "127.0.0.1", resolve));
-    const bound = relay.address();
-    address = `127.0.0.1:${typeof bound === "object" && bound ? bound.port : 0}`;
+    relay = await serveRoutes(routes);
   });
   after(async () => {
-    const closed = new Promise<void>((resolve) => relay.close(() => resolve()));
-    for (const session of sessions) session.destroy();
-    await closed;
+    await relay.close();
     await server.stop();
   });
 
   test("is given up: the call that waited fails, and a claim still owed is answered on a new stream", async () => {
     const store = new StoreClient(server.address);
-    const session = new StoreClient({ target: address, timeout: 0.5 }).runnerSession();
+    const session = new StoreClient({ target: relay.address, timeout: 0.5 }).runnerSession();
     try {
       const claim = session.dequeueRollout({ workerId: "ts-silent", wait: 10 });
       await new Promise((r) => setTimeout(r, 100));
