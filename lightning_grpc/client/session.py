@@ -173,7 +173,9 @@ class RunnerSession(RunnerCalls):
             if error is not None and status_lost_to_a_write(error) and lost < _LOST_STATUS_REOPENS:
                 lost += 1  # not the server's answer: ask again at once (a refusal, UNIMPLEMENTED, a drain)
                 log.debug("event=runner_session_status_lost owed=%d", len(self._owed))
-                stream = await self._reopen()
+                stream = await self._reopen(replacing=stream)
+                if stream is None:
+                    return  # given up as silent meanwhile: the new stream has a reader of its own
                 continue
             if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._unary = True  # an older server: every message, owed or to come, is its unary call
@@ -196,7 +198,9 @@ class RunnerSession(RunnerCalls):
                 "event=runner_session_broken error=%r retry_in=%.2fs owed=%d", error, delay, len(self._owed)
             )
             await asyncio.sleep(delay)
-            stream = await self._reopen()
+            stream = await self._reopen(replacing=stream)
+            if stream is None:
+                return  # given up as silent meanwhile (or closed): the new stream has a reader of its own
 
     def _give_up_if_silent(self, owed: _Owed) -> None:
         """After ``owed`` went unanswered for its whole timeout: when its stream is still the current one, has
@@ -225,11 +229,12 @@ class RunnerSession(RunnerCalls):
         self._reader = asyncio.create_task(self._read(stream), name="lightning-runner-session")
         silent.cancel()
 
-    async def _reopen(self, replacing: Any = None) -> Any:
-        """A new stream, with every message still owed sent on it again, in the order they were first sent.
-        With ``replacing``: only while that stream is still the current one (else None)."""
+    async def _reopen(self, replacing: Any) -> Any:
+        """A new stream in place of ``replacing``, with every message still owed sent on it again, in the order
+        they were first sent; None when ``replacing`` is no longer the current stream (another took its place,
+        or the session was closed)."""
         async with self._writing:
-            if replacing is not None and (self._closed or self._stream is not replacing):
+            if self._closed or self._stream is not replacing:
                 return None
             self._new_stream()
             for message_id in sorted(self._owed):
