@@ -90,7 +90,6 @@ SIGNAL_GRACE_S = 3.0
 
 #: How far the run got, in its output directory (read by a resumed run).
 RUN_STATE = recovery.RUN_STATE
-LOGS = recovery.LOGS
 
 PRINTED = (
     "reward_mean",
@@ -333,7 +332,7 @@ class TrainingRun:
     # ------------------------------------------------------------ the run
     async def run(self) -> RunResult:
         # what the run's children say (server, engine, runners), in files beside the run's other output
-        processes.write_output_to(self.out / LOGS)
+        processes.write_output_to(self.out / recovery.LOGS)
         try:
             return await self._run()
         finally:
@@ -367,7 +366,7 @@ class TrainingRun:
             current_version=lambda: self.policy_version,
         )
         self._restartable_engine(model_dir)
-        self.say(f"the services' output: {self.out / LOGS}")
+        self.say(f"the services' output: {self.out / recovery.LOGS}")
         if self.services.dashboard_url:
             self.say(f"dashboard (rollouts, traces, training curves, live): {self.services.dashboard_url}")
         loop = asyncio.get_running_loop()

@@ -191,10 +191,7 @@ export class RunnerSession extends RunnerCalls {
         this.stream = undefined;
       }
       if (this.closed) return;
-      if (this.givenUp) {
-        this.givenUp = false; // silent, not broken: another stream at once, with every message owed
-        continue;
-      }
+      if (this.givenUp) continue; // silent, not broken: another stream at once, with every message owed
       if (error?.code === Code.Unimplemented) {
         this.unary = true; // an older server: every message, owed or to come, is its unary call
         this.settleAll(UNARY);

@@ -6,6 +6,7 @@ import assert from "node:assert/strict";
 import { createServer, type Http2Server, type ServerHttp2Session } from "node:http2";
 import { after, before, describe, test } from "node:test";
 import { connectNodeAdapter } from "@connectrpc/connect-node";
+import type { ServiceImpl } from "@connectrpc/connect";
 import {
   AttemptStatus,
   DeadlineExceededError,
@@ -116,46 +117,45 @@ describe("a runner session", () => {
   });
 });
 
-/** An HTTP/2 server on 127.0.0.1 serving `routes` (connect-node), with its address and a close that ends its
- * open sessions too. */
-async function serveRoutes(routes: ReturnType<typeof connectNodeAdapter>): Promise<{ address: string; close: () => Promise<void> }> {
+/** A real server, and in front of it an HTTP/2 server on 127.0.0.1 whose StoreService is `handlers` (given a
+ * client of the real one); every other method answers UNIMPLEMENTED. `close` stops both. */
+interface Front {
+  readonly server: Server;
+  readonly address: string;
+  close(): Promise<void>;
+}
+async function serveInFront(handlers: (store: StoreClient) => Partial<ServiceImpl<typeof StoreService>>): Promise<Front> {
+  const server = await startServer();
+  const store = new StoreClient(server.address);
   const sessions = new Set<ServerHttp2Session>();
-  const server: Http2Server = createServer(routes);
-  server.on("session", (session) => sessions.add(session));
-  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
-  const bound = server.address();
+  const front: Http2Server = createServer(connectNodeAdapter({ routes: (router) => router.service(StoreService, handlers(store)) }));
+  front.on("session", (session) => sessions.add(session));
+  await new Promise<void>((resolve) => front.listen(0, "127.0.0.1", resolve));
+  const bound = front.address();
   return {
+    server,
     address: `127.0.0.1:${typeof bound === "object" && bound ? bound.port : 0}`,
     close: async () => {
-      const closed = new Promise<void>((resolve) => server.close(() => resolve()));
+      const closed = new Promise<void>((resolve) => front.close(() => resolve()));
       for (const session of sessions) session.destroy();
       await closed;
+      await server.stop();
     },
   };
 }
 
 describe("a server without RunnerSession (an older release)", () => {
-  let server: Server;
-  let older: { address: string; close: () => Promise<void> };
+  let older: Front;
   before(async () => {
-    server = await startServer();
-    const store = new StoreClient(server.address);
     // The unary RPCs a runner calls, passed on to a real server; every other method answers UNIMPLEMENTED.
-    const routes = connectNodeAdapter({
-      routes: (router) =>
-        router.service(StoreService, {
-          enqueueRollouts: (req) => store.raw.enqueueRollouts(req),
-          dequeueRollouts: (req) => store.raw.dequeueRollouts(req),
-          heartbeatAttempt: (req) => store.raw.heartbeatAttempt(req),
-          completeAttempt: (req) => store.raw.completeAttempt(req),
-        }),
-    });
-    older = await serveRoutes(routes);
+    older = await serveInFront((store) => ({
+      enqueueRollouts: (req) => store.raw.enqueueRollouts(req),
+      dequeueRollouts: (req) => store.raw.dequeueRollouts(req),
+      heartbeatAttempt: (req) => store.raw.heartbeatAttempt(req),
+      completeAttempt: (req) => store.raw.completeAttempt(req),
+    }));
   });
-  after(async () => {
-    await older.close();
-    await server.stop();
-  });
+  after(() => older.close());
 
   test("is asked with the unary calls instead", async () => {
     const client = new StoreClient(older.address);
@@ -176,36 +176,26 @@ describe("a server without RunnerSession (an older release)", () => {
 });
 
 describe("a stream that stays open and answers nothing", () => {
-  let server: Server;
-  let relay: { address: string; close: () => Promise<void> };
+  let relay: Front;
   let opened = 0;
   before(async () => {
-    server = await startServer();
-    const store = new StoreClient(server.address);
     // The first RunnerSession stream reads every message and answers none; every later one is the real
     // server's.
-    const routes = connectNodeAdapter({
-      routes: (router) =>
-        router.service(StoreService, {
-          async *runnerSession(requests) {
-            opened += 1;
-            if (opened === 1) {
-              for await (const _ of requests);
-              return;
-            }
-            yield* store.raw.runnerSession(requests);
-          },
-        }),
-    });
-    relay = await serveRoutes(routes);
+    relay = await serveInFront((store) => ({
+      async *runnerSession(requests) {
+        opened += 1;
+        if (opened === 1) {
+          for await (const _ of requests);
+          return;
+        }
+        yield* store.raw.runnerSession(requests);
+      },
+    }));
   });
-  after(async () => {
-    await relay.close();
-    await server.stop();
-  });
+  after(() => relay.close());
 
   test("is given up: the call that waited fails, and a claim still owed is answered on a new stream", async () => {
-    const store = new StoreClient(server.address);
+    const store = new StoreClient(relay.server.address);
     const session = new StoreClient({ target: relay.address, timeout: 0.5 }).runnerSession();
     try {
       const claim = session.dequeueRollout({ workerId: "ts-silent", wait: 10 });
