@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,35 @@ def test_a_missing_extra_is_named(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert f"needs {missing}, which is not installed: pip install 'lightning-grpc[{extra}]'" in out.stderr
+
+
+# a command -> (a package it needs, the extra that installs it)
+COMMANDS = {
+    "init-model": ("transformers", "engine"),
+    "engine": ("torch", "engine"),
+    "proxy": ("aiohttp", "proxy"),
+    "train": ("torch", "train"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_command_without_its_extra_says_which_to_install(command: str, tmp_path: Path) -> None:
+    missing, extra = COMMANDS[command]
+    argv = {
+        "init-model": ["init-model", str(tmp_path / "model")],
+        "engine": ["engine", "--model", str(tmp_path / "model")],
+        "proxy": ["proxy", "--backend", "http://127.0.0.1:9/v1"],
+        "train": ["train", str(tmp_path / "experiment.toml")],
+    }[command]
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None; from lightning_grpc.cli.main import main;"
+        f" sys.exit(main({argv!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert f"needs {missing}, which is not installed: pip install 'lightning-grpc[{extra}]'" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
 def test_the_bare_modules_import_without_any_extra() -> None:
