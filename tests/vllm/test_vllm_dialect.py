@@ -144,6 +144,9 @@ async def test_the_gate_serves_inference_only(vllm: VllmEngine) -> None:
     import aiohttp
 
     assert vllm.socket_dir is not None and (vllm.socket_dir.stat().st_mode & 0o777) == 0o700
+    # the sockets between vLLM's own processes are there too (removed with the directory), not in /tmp
+    own = [p.name for p in vllm.socket_dir.iterdir() if p.is_socket() and p.name != "vllm.sock"]
+    assert own, sorted(p.name for p in vllm.socket_dir.iterdir())
     async with aiohttp.ClientSession() as http:
         for method, path in [
             ("GET", "/health"),
