@@ -23,6 +23,13 @@ def triplets_from_spans(spans: Sequence[Span], config: AdapterConfig = DEFAULT_C
     """
     require_one_attempt(spans)
     tree = TraceTree.from_spans(spans)
+    try:
+        return _triplets_of_tree(tree, config)
+    finally:
+        tree.release()
+
+
+def _triplets_of_tree(tree: TraceTree, config: AdapterConfig) -> RolloutTriplets:
     if config.repair_hierarchy:
         tree.repair_orphan_calls()
     calls = [read_call(node, index) for index, node in enumerate(tree.llm_calls())]

@@ -7,6 +7,7 @@ must not run beside others (timings, weight reloads) run their requests one afte
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -317,6 +318,24 @@ async def test_concurrent_requests_are_batched(client: openai.AsyncOpenAI) -> No
         r["choices"][0]["token_ids"] for r in sequential
     ]
     assert all(len(r["choices"][0]["token_ids"]) == 16 for r in concurrent)
+
+
+async def test_a_finished_request_is_freed_without_the_cyclic_collector(client: openai.AsyncOpenAI) -> None:
+    """Nothing of a request is left in a reference cycle once it is answered: under load, cycles left for the
+    cyclic garbage collector paused the whole engine (every sequence of the batch) every few seconds."""
+    from lightning_grpc.engine.scheduler import Submission
+
+    await chat(client, messages=[{"role": "user", "content": "warm up"}], max_tokens=2)
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(8):
+            await chat(client, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4, seed=i)
+        await asyncio.sleep(0.05)  # the scheduler thread lets go of the last step's submissions
+        left = [o for o in gc.get_objects() if type(o) is Submission]
+    finally:
+        gc.enable()
+    assert left == []
 
 
 async def test_greedy_tokens_and_logprobs_are_those_of_a_forward_pass_over_the_whole_text(

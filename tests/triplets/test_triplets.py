@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 from typing import Any
 
@@ -22,7 +23,7 @@ from lightning_grpc.triplets import (
     triplets_from_spans,
 )
 from lightning_grpc.triplets.calls import other_choices, read_call
-from lightning_grpc.triplets.tree import LOST_PARENT, VIRTUAL_ROOT, TraceTree
+from lightning_grpc.triplets.tree import LOST_PARENT, VIRTUAL_ROOT, Node, TraceTree
 from lightning_grpc.types import Span
 
 T0 = 1_700_000_000_000_000_000  # ns
@@ -249,6 +250,28 @@ def test_repair_moves_a_call_whose_parent_was_lost() -> None:
     assert tree.nodes["call"].parent is tree.nodes["agent"]
     assert tree.root is tree.nodes["agent"]
     assert [n.span_id for n in tree.walk()] == ["agent", "call"]
+
+
+def test_a_rollouts_tree_is_freed_as_its_triplets_are_read_without_the_cyclic_collector() -> None:
+    """A node and its parent refer to each other; the tree is released once read, so nothing of it is left
+    for Python's cyclic garbage collector (the Trainer reads a tree for every finished rollout)."""
+    spans = [
+        agent("agent", "solver", times=(0, 100)),
+        llm(
+            "call", [1], [2], parent="http-span", times=(20, 30)
+        ),  # a lost parent: a virtual node, then moved
+        llm("call-2", [3], [4], parent="agent", times=(40, 50)),
+        reward("r", 1.0, parent="agent", times=(60, 61)),
+    ]
+    gc.collect()
+    gc.disable()
+    try:
+        result = triplets_from_spans(spans)
+        left = [o for o in gc.get_objects() if type(o) is Node]
+    finally:
+        gc.enable()
+    assert trained(result) == ["call", "call-2"] and result.reward == 1.0
+    assert left == []
 
 
 # ------------------------------------------------------------------ triplets
