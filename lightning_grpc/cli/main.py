@@ -327,9 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     except LightningError as exc:
         print(f"error: {exc.reason}: {exc.message}", file=sys.stderr)
         return 2
-    except (
-        MissingExtraError
-    ) as exc:  # a command whose optional dependency is not installed: the extra to install
+    except MissingExtraError as exc:
+        # a command whose optional dependency is not installed: one line naming the extra to install
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -360,9 +360,8 @@ class VllmEngine:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
-            # the Unix sockets of its own processes (ZMQ ipc), in the private directory too: by default they go
-            # in the temporary directory, where every vLLM that ends without closing them (killed, restarted)
-            # leaves its sockets for good
+            # the Unix sockets between its own processes (ZMQ ipc), in the private directory too, removed with it:
+            # by default they go in the temporary directory, where each vLLM a run started left about seven
             **({"VLLM_RPC_BASE_PATH": str(self.socket_dir)} if self.socket_dir is not None else {}),
             # the worker extension, in the private directory
             "PYTHONPATH": os.pathsep.join(
