@@ -8,9 +8,11 @@ import contextlib
 import csv
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -98,12 +100,16 @@ class UserVllm:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        # vLLM's sockets between its own processes, in a directory of this test's (short: a socket's path is
+        # limited to 107 bytes), removed by stop(); vLLM's default, /tmp, keeps those of a killed vLLM for good
+        self.sockets = Path(tempfile.mkdtemp(prefix="vllm-ipc-"))
         env = {
             **QUIET_ENV,
             **model_child_env(1),
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_RPC_BASE_PATH": str(self.sockets),
             **({"PYTHONPATH": str(extension_dir)} if extension_dir else {}),
         }
         command = [
@@ -133,6 +139,7 @@ class UserVllm:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=60)
         self.log.close()
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 def test_training_against_a_vllm_the_user_serves_named_by_address(vllm_python: str, tmp_path: Path) -> None:
