@@ -131,3 +131,43 @@ def test_a_childs_output_file_is_moved_aside_when_full(
     assert older.startswith("rollout ") and len(older.encode()) >= 1000
     assert kept.endswith("rollout 0299 done\n") and 0 < len(kept.encode()) < 1000 + 20
     assert len(chatty.lines) == 300  # the lines in memory are all there, whatever the files hold
+
+
+_SERVING_SWITCH_INTERVAL = """
+import asyncio, os, signal, sys
+from pathlib import Path
+
+from lightning_grpc.server.app import ServerConfig, serve
+
+
+def ready(running):
+    print("switch_interval", sys.getswitchinterval(), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+db = Path(sys.argv[1]) if sys.argv[1] != "memory" else None
+asyncio.run(serve(ServerConfig(port=0, db=db, grace=0.5), ready=ready))
+"""
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "memory"])
+def test_a_serving_sqlite_store_hands_the_gil_over_within_its_switch_interval(
+    backend: str, tmp_path: Path
+) -> None:
+    """The SQLite store's writer thread waits for the GIL after every call into SQLite: a process serving one
+    sets the short switch interval once it serves (and still drains and exits 0); with the in-memory store,
+    which has no writer, the process keeps Python's default."""
+    where = str(tmp_path / "store.db") if backend == "sqlite" else "memory"
+    done = subprocess.run(
+        [sys.executable, "-c", _SERVING_SWITCH_INTERVAL, where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=QUIET_ENV,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("switch_interval")]
+    expected = processes.SERVER_SWITCH_INTERVAL if backend == "sqlite" else 0.005
+    assert float(line.split()[1]) == pytest.approx(expected)
+    assert processes.SERVER_SWITCH_INTERVAL < 0.005  # Python's default, which it replaces
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # the test process keeps its own

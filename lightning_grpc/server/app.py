@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from lightning_grpc import logs
 from lightning_grpc.batching import TrainerCore
 from lightning_grpc.errors import Reason, UnavailableError
-from lightning_grpc.processes import freeze_startup_heap
+from lightning_grpc.processes import freeze_startup_heap, hand_over_the_gil_promptly
 from lightning_grpc.store import Backend, SqliteBackend, Store, make_backend
 from lightning_grpc.v1 import store_service_pb2
 
@@ -372,6 +372,8 @@ async def serve(config: ServerConfig, ready: Callable[[RunningServer], None] | N
             return
         raise
     freeze_startup_heap()
+    if config.db is not None and config.postgres is None:
+        hand_over_the_gil_promptly()  # SQLite's writer thread (see there for where it is not set)
     if ready is not None:
         ready(running)
     await signals.wait(running)

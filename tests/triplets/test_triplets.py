@@ -257,9 +257,8 @@ def test_a_rollouts_tree_is_freed_as_its_triplets_are_read_without_the_cyclic_co
     for Python's cyclic garbage collector (the Trainer reads a tree for every finished rollout)."""
     spans = [
         agent("agent", "solver", times=(0, 100)),
-        llm(
-            "call", [1], [2], parent="http-span", times=(20, 30)
-        ),  # a lost parent: a virtual node, then moved
+        # a lost parent: a virtual node, then moved
+        llm("call", [1], [2], parent="http-span", times=(20, 30)),
         llm("call-2", [3], [4], parent="agent", times=(40, 50)),
         reward("r", 1.0, parent="agent", times=(60, 61)),
     ]
