@@ -219,18 +219,18 @@ def hand_over_the_gil_promptly() -> None:
     """Let a thread waiting for the GIL have it within :data:`SERVER_SWITCH_INTERVAL` of asking: for ``serve``
     with a SQLite store, once it serves (not in tests).
 
-    The SQLite store commits on a writer thread, and Python's sqlite3 gives the GIL up some six times a
-    statement (the step, the resets, the row count...); each time the writer must take it back from the
+    The SQLite store commits on a writer thread, and Python's sqlite3 gives the GIL up some six times a statement
+    (the step, the resets, the column count, the last row id); each time the writer must take it back from the
     event loop, which holds it until its own work pauses or the switch interval (Python's default: 5 ms) runs
-    out. Measured in ``serve --db`` at 8 span streams: a commit's statements took 27-35 ms of the writer's
-    time for 8-10 ms of its CPU, about 50 waits for the GIL a commit; the same with the file on tmpfs, so not
-    the disk. Acknowledgements wait for the commit, so that wait set the pace. At 100 us (three alternating
-    pairs each): span ingest (W=8, 64-span batches) 57-59k -> 70-75k spans/s, the rollout cycle (K=32)
-    1,300-1,490 -> 1,430-1,610 rollouts/s, the training batch the same. Not set where it cost more than it
-    saved, two or three alternating pairs each (why was not looked into): with PostgreSQL (span ingest 35-37k
+    out. Measured in ``serve --db`` at 8 span streams: a commit's statements took 27-35 ms of the writer's time
+    for 8-10 ms of its CPU, about 50 waits for the GIL a commit; the same with the file on tmpfs, so not the
+    disk. Acknowledgements wait for the commit, so that wait set the pace. At 100 us (alternating pairs): span
+    ingest (W=8, 64-span batches) 57-59k -> 70-75k spans/s and the rollout cycle (K=32) 1,300-1,490 ->
+    1,430-1,610 rollouts/s (three pairs each), the training batch the same (two). Not set where it cost more than
+    it saved, two or three alternating pairs each (why was not looked into): with PostgreSQL (span ingest 35-37k
     -> 27k spans/s), and in a server that hosts the LLM proxy (the demo's loop 4-11 % fewer rollouts/s, the
-    server's CPU a step up by 11-39 %); nor with the in-memory store, which has no writer (its rollout cycle
-    the same either way).
+    server's CPU a step up by 11-39 %); nor with the in-memory store, which has no writer (its rollout cycle the
+    same either way).
     """
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL)
 
