@@ -2,7 +2,7 @@
 
 Two ways out, behind one interface (:class:`UpstreamCall`):
 
-- vLLM-dialect backends (vLLM, the embedded engine) are called directly with aiohttp and their
+- vLLM-dialect backends (vLLM, the embedded engine) are called directly (:mod:`.http1`) and their
   bytes are passed through as they come. LiteLLM is *not* used for them (the trap of Agent
   Lightning issue #262, checked against the engine by ``tests/proxy/test_proxy.py`` on litellm 1.106.2):
   its vLLM provider (``hosted_vllm/``) still drops the top-level ``prompt_token_ids`` and
@@ -23,15 +23,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_grpc._extras import extra_imports
-
-with extra_imports("proxy"):
-    import aiohttp
-
 from lightning_grpc import logs
 
 from . import sse
 from .backends import Backend
+from .http1 import HTTP1Client, Response
 
 log = logs.get_logger(__name__)
 
@@ -108,7 +104,8 @@ def _auth(backend: Backend) -> dict[str, str]:
 
 
 class DirectClient:
-    """aiohttp client of vLLM-dialect backends: no reshaping, real streaming, retries before the first byte."""
+    """Client of vLLM-dialect backends (:mod:`.http1`): no reshaping, real streaming, retries before the first
+    byte."""
 
     def __init__(
         self,
@@ -118,21 +115,12 @@ class DirectClient:
         read_timeout: float = 600.0,
     ) -> None:
         self.retry = retry or RetryPolicy()
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                auto_decompress=True,
-            )
-        return self._session
+        self._http = HTTP1Client(
+            connect_timeout=connect_timeout, read_timeout=read_timeout, keepalive_timeout=30
+        )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._http.close()
 
     async def open(
         self, backend: Backend, path: str, body: dict[str, Any], stream: bool, *, encoded: str
@@ -144,8 +132,8 @@ class DirectClient:
         attempt = 0
         while True:
             try:
-                resp = await self._client().post(url, data=data, headers=headers)
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                resp = await self._http.post(url, data, headers)
+            except (OSError, TimeoutError) as exc:
                 if attempt >= self.retry.retries:
                     timed_out = isinstance(exc, TimeoutError)
                     raise BackendUnreachable(
@@ -155,9 +143,8 @@ class DirectClient:
                 attempt += 1
                 continue
             if resp.status in RETRY_STATUSES and attempt < self.retry.retries:
-                retry_after = resp.headers.get("Retry-After")
-                await resp.read()
-                resp.release()
+                retry_after = resp.headers.get("retry-after")
+                resp.close()
                 log.info(
                     "event=proxy_backend_retry url=%s status=%d attempt=%d", url, resp.status, attempt + 1
                 )
@@ -167,26 +154,25 @@ class DirectClient:
             return await self._answer(resp, stream)
 
     @staticmethod
-    async def _answer(resp: aiohttp.ClientResponse, stream: bool) -> UpstreamCall:
-        headers = {k.lower(): v for k, v in resp.headers.items() if k.lower() == POLICY_VERSION_HEADER}
-        content_type = resp.headers.get("Content-Type", "application/json")
+    async def _answer(resp: Response, stream: bool) -> UpstreamCall:
+        version = resp.headers.get(POLICY_VERSION_HEADER)
+        headers = {POLICY_VERSION_HEADER: version} if version is not None else {}
+        content_type = resp.headers.get("content-type", "application/json")
         is_sse = content_type.startswith("text/event-stream")
         if resp.status == 200 and stream and is_sse:
 
             async def close() -> None:
-                resp.close()  # drops the connection: the backend stops generating
+                resp.close()  # drops the connection unless the stream ended: the backend stops generating
 
             return UpstreamCall(
                 status=200,
-                stream=sse.events(resp.content.iter_any()),
+                stream=sse.events(resp.chunks()),
                 content_type=content_type,
                 headers=headers,
                 close=close,
             )
         try:
             body = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             raise BackendUnreachable(f"{resp.url}: response cut short: {exc!r}") from None
-        finally:
-            resp.release()
         return UpstreamCall(status=resp.status, body=body, content_type=content_type, headers=headers)
