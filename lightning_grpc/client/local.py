@@ -144,6 +144,22 @@ class LocalStoreClient:
         """
         return self.store.submit_spans(convert.span_records(spans), rollout_id, attempt_id).durable
 
+    def submit_span(
+        self, span: span_pb2.Span, body: bytes, rollout_id: str = "", attempt_id: str = ""
+    ) -> Awaitable[None] | None:
+        """:meth:`submit_span_bytes` of one span built in this process, given as its message and its serialized
+        form ``body`` (``span.SerializeToString()``): nothing is parsed.
+
+        Returns:
+            None when the span is already stored (a Store in memory); else the wait for its commit.
+
+        Raises:
+            NotFoundError: No such rollout or attempt.
+            InvalidArgumentError: A span the Store does not take (its ids, its size).
+        """
+        record = convert.span_record(span, body)
+        return self.store.submit_spans([record], rollout_id, attempt_id).durable
+
     async def statistics(self) -> t.Statistics:
         """The store's counts, backend and sizes, with the keys :meth:`StoreClient.statistics` answers.
 

@@ -12,7 +12,7 @@ The servicers use it to call the cores; the clients use it to return plain Pytho
 """
 
 from .framing import length_delimited, varint
-from .spans import span_from_pb, span_records, span_to_pb
+from .spans import SpanMessage, span_from_pb, span_record, span_records, span_to_pb
 from .store import (
     attempt_from_pb,
     attempt_to_pb,
@@ -56,6 +56,7 @@ from .values import (
 )
 
 __all__ = [
+    "SpanMessage",
     "any_to_python",
     "attempt_from_pb",
     "attempt_to_pb",
@@ -82,6 +83,7 @@ __all__ = [
     "run_interruption_to_pb",
     "set_ts",
     "span_from_pb",
+    "span_record",
     "span_records",
     "span_to_pb",
     "spec_from_pb",

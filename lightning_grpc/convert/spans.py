@@ -217,21 +217,28 @@ def span_records(spans: Iterable[bytes], *, stream_request: bytes | None = None)
         parsed: Any = _Batch.FromString(batch).spans
     except DecodeError:
         parsed = _each_span(bodies)
-    return [
-        SpanRecord(
-            s.rollout_id,
-            s.attempt_id,
-            s.span_id,
-            s.trace_id,
-            s.parent_span_id,
-            s.name,
-            s.start_time_unix_nano,
-            s.end_time_unix_nano,
-            body,
-            s.sequence_id,
-        )
-        for s, body in zip(parsed, bodies, strict=True)
-    ]
+    return [span_record(s, body) for s, body in zip(parsed, bodies, strict=True)]
+
+
+#: A span as the contract's message (``lightning.v1.Span``), for modules that hold one without importing the stubs.
+SpanMessage = span_pb2.Span
+
+
+def span_record(span: Any, body: bytes) -> SpanRecord:
+    """The store record of a span whose message is ``span`` (a ``lightning.v1.Span``, parsed or built here) and
+    whose serialized form is ``body``."""
+    return SpanRecord(
+        span.rollout_id,
+        span.attempt_id,
+        span.span_id,
+        span.trace_id,
+        span.parent_span_id,
+        span.name,
+        span.start_time_unix_nano,
+        span.end_time_unix_nano,
+        body,
+        span.sequence_id,
+    )
 
 
 def _each_span(bodies: list[bytes]) -> list[span_pb2.Span]:

@@ -89,6 +89,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        self._last_read = 0.0
+        #: One timer a connection, left running across its calls (see _check_timeout), not one a call.
+        self._timer: asyncio.TimerHandle | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -105,8 +108,6 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self._waiter: asyncio.Future[None] | None = None
-        self._last_read = 0.0
-        self._timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ asyncio's side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -159,10 +160,8 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
-        self.keep_alive = (
-            self.parser.should_keep_alive()
-        )  # only known here: it reads False once feed_data returns
-        self._stop_timer()
+        # only known here: should_keep_alive() reads False once feed_data has returned
+        self.keep_alive = self.parser.should_keep_alive()
         self._wake()
 
     # ------------------------------------------------------------ the caller's side
@@ -173,7 +172,8 @@ class _Connection(asyncio.Protocol):
         if len(data) >= 65536:
             self.transport.write(data)
         self._last_read = self.loop.time()
-        self._timer = self.loop.call_later(self.read_timeout, self._check_timeout)
+        if self._timer is None:
+            self._timer = self.loop.call_later(self.read_timeout, self._check_timeout)
 
     async def wait(self) -> None:
         """Until something new: the headers, a piece of the body, the end, or an error."""
@@ -226,6 +226,10 @@ class _Connection(asyncio.Protocol):
             self._waiter.set_result(None)
 
     def _check_timeout(self) -> None:
+        """The read timeout: re-armed for what is left of it while an answer is awaited, else let go."""
+        if not self.in_use or self.complete:
+            self._timer = None  # between calls: the next call's send sets it again
+            return
         left = self._last_read + self.read_timeout - self.loop.time()
         if left > 0:
             self._timer = self.loop.call_later(left, self._check_timeout)

@@ -100,8 +100,9 @@ class SpanRecorder:
 
     async def record(self, span: Span, wait: float) -> bool:
         """Store a span, waiting up to ``wait`` seconds for the Store; one not stored by then stays queued."""
-        body = convert.span_to_pb(span).SerializeToString()
-        done = self._store_here(span, body)
+        message = convert.span_to_pb(span)
+        body = message.SerializeToString()
+        done = self._store_here(span, message, body)
         if done is True:
             return True
         if done is None:
@@ -116,7 +117,9 @@ class SpanRecorder:
             log.warning("event=proxy_span_slow span_id=%s waited_s=%.1f", span.span_id, wait)
             return False
 
-    def _store_here(self, span: Span, body: bytes) -> Literal[True] | asyncio.Future[bool] | None:
+    def _store_here(
+        self, span: Span, message: convert.SpanMessage, body: bytes
+    ) -> Literal[True] | asyncio.Future[bool] | None:
         """Hand the span to a Store in this process: True when it is stored already (a Store that needs no
         commit), a future that says whether its commit stored it, or None where the shipper is to take it: no
         Store here, spans of the attempt still with the shipper, or a span the Store refused (the shipper
@@ -126,7 +129,7 @@ class SpanRecorder:
         ):
             return None
         try:
-            durable = self.client.submit_span_bytes([body], span.rollout_id, span.attempt_id)
+            durable = self.client.submit_span(message, body, span.rollout_id, span.attempt_id)
         except LightningError:
             return None
         if durable is None:

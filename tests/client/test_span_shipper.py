@@ -56,6 +56,9 @@ class FakeStore(LocalStoreClient):
     async def add_span_bytes(self, spans: Sequence[bytes], rollout_id: str, attempt_id: str) -> None:
         self.submit_span_bytes(spans, rollout_id, attempt_id)
 
+    def submit_span(self, span: Any, body: bytes, rollout_id: str = "", attempt_id: str = "") -> None:
+        self.submit_span_bytes([body], rollout_id, attempt_id)
+
     def submit_span_bytes(self, spans: Sequence[bytes], rollout_id: str = "", attempt_id: str = "") -> None:
         self.calls.append(len(spans))
         error = self.answer(list(spans))
