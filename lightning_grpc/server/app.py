@@ -372,7 +372,7 @@ async def serve(config: ServerConfig, ready: Callable[[RunningServer], None] | N
             return
         raise
     freeze_startup_heap()
-    if config.db is not None and config.postgres is None:
+    if isinstance(running.store.backend, SqliteBackend):
         hand_over_the_gil_promptly()  # SQLite's writer thread (see there for where it is not set)
     if ready is not None:
         ready(running)
