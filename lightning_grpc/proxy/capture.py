@@ -22,9 +22,14 @@ Kind = Literal["chat", "completion"]
 
 
 def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+    """A copy of ``value`` if it is a list of ints (not bools), else None. The items' types are gathered in C
+    (``set(map(type, ...))``): a prompt's ids run to thousands, and a test per item took three times as long."""
+    if isinstance(value, list) and set(map(type, value)) <= _INT:
         return list(value)
     return None
+
+
+_INT: set[type] = {int}
 
 
 def _float_or_nan(value: Any) -> float:
