@@ -115,6 +115,10 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_use:
+            # bytes on an idle connection (a 408 before the backend closes it) answer no call
+            self.close()
+            return
         self.received_any = True
         self._last_read = self.loop.time()
         try:
@@ -332,8 +336,7 @@ class HTTP1Client:
 
     async def post(self, url: str, data: bytes, headers: Mapping[str, str]) -> Response:
         """Send ``data`` and wait for the answer's headers. Raises ``ValueError`` for a URL that is not http(s)."""
-        if self._closed:
-            raise ConnectionError("the client is closed")
+        self._closed = False  # used again after close(): new connections, as a proxy started again needs
         origin, target = _origin_and_target(url)
         head = _head("POST", target, origin, headers, len(data))
         while True:
@@ -353,6 +356,7 @@ class HTTP1Client:
             return Response(self, origin, connection, url)
 
     async def close(self) -> None:
+        """Close the idle connections, and the others as their answers end."""
         self._closed = True
         for connections in self._idle.values():
             for connection in connections:

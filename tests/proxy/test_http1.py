@@ -108,9 +108,11 @@ async def test_calls_share_one_kept_alive_connection_and_send_the_request_as_giv
             resp = await client.post(backend.url, b'{"n":%d}' % i, {"Authorization": "Bearer k"})
             assert (resp.status, await resp.read()) == (200, b'{"echo":{"n":%d}}' % i)
             assert resp.headers["content-type"] == "application/json"
+        await client.close()  # a client closed and used again opens a new connection (a proxy started again)
+        assert await (await client.post(backend.url, b"{}", {})).read() == b'{"echo":{}}'
     finally:
         await client.close()
-    assert backend.connections == 1
+    assert backend.connections == 2
     head = backend.requests[0].head.decode()
     assert head.startswith("POST /v1/chat/completions HTTP/1.1\r\n")
     assert f"Host: 127.0.0.1:{backend.port}\r\n" in head and "Authorization: Bearer k\r\n" in head
@@ -176,6 +178,25 @@ async def test_an_idle_connection_the_backend_closed_is_replaced_without_an_erro
         assert (await (await client.post(backend.url, b"1", {})).read()) == b'{"echo":1}'
         await asyncio.sleep(0.2)
         assert (await (await client.post(backend.url, b"2", {})).read()) == b'{"echo":2}'
+    finally:
+        await client.close()
+    assert backend.connections == 2
+
+
+async def test_bytes_on_an_idle_connection_are_no_answer_to_the_next_call(serve_backend) -> None:
+    async def then_408(exchange: Exchange) -> None:
+        await ok(exchange)
+        await asyncio.sleep(0.05)  # idle: some servers say 408 before they close a kept-alive connection
+        exchange.writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+        await exchange.writer.drain()
+
+    backend = await serve_backend(then_408)
+    client = HTTP1Client()
+    try:
+        assert await (await client.post(backend.url, b"1", {})).read() == b'{"echo":1}'
+        await asyncio.sleep(0.2)
+        second = await client.post(backend.url, b"2", {})
+        assert (second.status, await second.read()) == (200, b'{"echo":2}')
     finally:
         await client.close()
     assert backend.connections == 2
@@ -407,9 +428,8 @@ async def test_an_https_backend_is_verified_against_the_trusted_certificates(
     finally:
         await client.close()
         await untrusting.close()
-    assert (
-        backend.connections == 1
-    )  # both trusted calls on one; the untrusting client's never passed its handshake
+    # both trusted calls on one connection; the untrusting client's never passed its handshake
+    assert backend.connections == 1
 
 
 # ---------------------------------------------------------------- the proxy's client of vLLM-dialect backends
