@@ -123,18 +123,7 @@ def convert_span(src: otlp_trace.Span, scope: otlp_common.InstrumentationScope) 
 
 def _record(span: span_pb2.Span, resource_bytes: bytes) -> SpanRecord:
     # A serialized Span followed by a serialized Span holding only the resource parses as one Span.
-    return SpanRecord(
-        span.rollout_id,
-        span.attempt_id,
-        span.span_id,
-        span.trace_id,
-        span.parent_span_id,
-        span.name,
-        span.start_time_unix_nano,
-        span.end_time_unix_nano,
-        span.SerializeToString() + resource_bytes,
-        span.sequence_id,
-    )
+    return convert.span_record(span, span.SerializeToString() + resource_bytes)
 
 
 class Rejections:
